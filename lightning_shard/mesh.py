@@ -1,0 +1,295 @@
+"""DeviceMesh: an n-dimensional grid of ranks with one process group per mesh dimension.
+
+Mirrors ``torch.distributed.device_mesh`` (same names, arguments and defaults) but is our own, so the
+engine owns its process groups and can hand them to torch (``to_torch()``) only at the boundaries that
+need torch's type (DCP checkpoints, interop).
+
+Example::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tp = mesh["tensor_parallel"]          # 1-D sub-mesh, reuses the parent's groups
+    tp.get_local_rank(), tp.size()        # e.g. (1, 2)
+
+Process groups are created collectively: every rank calls ``dist.new_group`` for every group of every
+mesh dimension in the same order (torch requires this). Groups are cached by their rank lists, so
+building the same mesh twice (common in tests and in Lightning re-setup) creates no new groups.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
+
+# (default-group identity, ranks of every group of one mesh dim) -> the group this rank belongs to.
+_GROUP_CACHE: dict[tuple, dist.ProcessGroup | None] = {}
+
+
+class DeviceMesh:
+    """A grid of global ranks with named dimensions and one process group per dimension.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"`` (no index).
+        mesh: integer tensor or nested list of global ranks; its shape is the mesh shape.
+        mesh_dim_names: one unique name per mesh dimension, e.g. ``("data_parallel", "tensor_parallel")``.
+
+    Example::
+
+        mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        mesh.shape, mesh["tp"].get_group()
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+        _groups: list[dist.ProcessGroup | None] | None = None,
+    ) -> None:
+        self.device_type = _check_device_type(device_type)
+        self.mesh = torch.as_tensor(mesh, dtype=torch.int64, device="cpu").detach().clone()
+        if self.mesh.ndim == 0:
+            raise ValueError(f"DeviceMesh: mesh must have at least one dimension, got a scalar {self.mesh}")
+        self.mesh_dim_names = _check_dim_names(mesh_dim_names, self.mesh.ndim)
+        flat = self.mesh.flatten().tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"DeviceMesh: mesh {self.mesh.tolist()} lists a rank twice")
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._coordinate = _coordinate_of(self.mesh, self._rank)
+        self._groups = _groups if _groups is not None else [self._new_group(d) for d in range(self.ndim)]
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def ndim(self) -> int:
+        """Number of mesh dimensions."""
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape, e.g. ``(2, 2)``."""
+        return tuple(self.mesh.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks in the whole mesh, or along ``mesh_dim`` (index or name)."""
+        if mesh_dim is None:
+            return self.mesh.numel()
+        return self.mesh.shape[self._dim_index(mesh_dim)]
+
+    # ------------------------------------------------------------------ ranks
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_coordinate(self) -> list[int] | None:
+        """This rank's coordinate in the mesh, or ``None`` if the rank is not part of it."""
+        return None if self._coordinate is None else list(self._coordinate)
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's index along ``mesh_dim`` (optional on a 1-D mesh)."""
+        dim = self._dim_or_only(mesh_dim, "get_local_rank")
+        if self._coordinate is None:
+            raise RuntimeError(f"DeviceMesh.get_local_rank: rank {self._rank} is not in mesh {self.mesh.tolist()}")
+        return self._coordinate[dim]
+
+    # ------------------------------------------------------------------ groups
+    def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
+        """The process group of ``mesh_dim`` that contains this rank (optional on a 1-D mesh)."""
+        group = self._groups[self._dim_or_only(mesh_dim, "get_group")]
+        if group is None:
+            raise RuntimeError(f"DeviceMesh.get_group: rank {self._rank} is not in mesh {self.mesh.tolist()}")
+        return group
+
+    def get_all_groups(self) -> list[dist.ProcessGroup]:
+        """One process group per mesh dimension, in dimension order."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
+    # ------------------------------------------------------------------ slicing
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        """Sub-mesh over the named dimensions, containing this rank; reuses the parent's groups.
+
+        Example: ``mesh["tensor_parallel"]`` or ``mesh["replicate", "data_parallel"]``.
+        """
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not names:
+            raise ValueError("DeviceMesh[...]: name at least one mesh dimension")
+        dims = [self._dim_index(n) for n in names]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"DeviceMesh[...]: dimension names {names} repeat a dimension")
+        if dims == list(range(self.ndim)):
+            return self
+        if self._coordinate is None:
+            raise RuntimeError(f"DeviceMesh[{names}]: rank {self._rank} is not in mesh {self.mesh.tolist()}")
+        # Fix the coordinates of the dims not selected to this rank's, keep the selected ones whole.
+        kept = sorted(dims)
+        index = tuple(slice(None) if d in kept else self._coordinate[d] for d in range(self.ndim))
+        sub = self.mesh[index].permute([kept.index(d) for d in dims])
+        return DeviceMesh(self.device_type, sub, mesh_dim_names=names, _groups=[self._groups[d] for d in dims])
+
+    # ------------------------------------------------------------------ interop
+    def to_torch(self) -> torch.distributed.device_mesh.DeviceMesh:
+        """The same mesh as torch's ``DeviceMesh``, over the same process groups (no new groups).
+
+        Example: ``torch_dtensor = DTensor.from_local(t, mesh.to_torch(), [Shard(0)])`` (torch's DTensor).
+        """
+        from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+        groups = self.get_all_groups()
+        names = self.mesh_dim_names or tuple(f"dim_{d}" for d in range(self.ndim))
+        if self.ndim == 1:
+            return TorchDeviceMesh.from_group(groups[0], self.device_type, mesh=self.mesh, mesh_dim_names=names)
+        return TorchDeviceMesh.from_group(groups, self.device_type, mesh=self.mesh, mesh_dim_names=names)
+
+    @classmethod
+    def from_torch(cls, torch_mesh: torch.distributed.device_mesh.DeviceMesh) -> DeviceMesh:
+        """Our mesh over the process groups of torch's ``DeviceMesh`` ``torch_mesh`` (no new groups)."""
+        groups = [torch_mesh.get_group(d) for d in range(torch_mesh.ndim)]
+        return cls(torch_mesh.device_type, torch_mesh.mesh, mesh_dim_names=torch_mesh.mesh_dim_names, _groups=groups)
+
+    # ------------------------------------------------------------------ misc
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return (
+            self.device_type == other.device_type
+            and self.mesh_dim_names == other.mesh_dim_names
+            and torch.equal(self.mesh, other.mesh)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.device_type, self.mesh_dim_names, tuple(self.mesh.flatten().tolist()), self.shape))
+
+    def _dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise ValueError(
+                    f"DeviceMesh: no dimension named {mesh_dim!r}; this mesh's dimensions are {self.mesh_dim_names}"
+                )
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise ValueError(f"DeviceMesh: mesh_dim {mesh_dim} is out of range for a {self.ndim}-D mesh")
+        return mesh_dim % self.ndim
+
+    def _dim_or_only(self, mesh_dim: int | str | None, what: str) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"DeviceMesh.{what}: pass mesh_dim on a {self.ndim}-D mesh {self.shape}")
+            return 0
+        return self._dim_index(mesh_dim)
+
+    def _new_group(self, dim: int) -> dist.ProcessGroup | None:
+        """Create (collectively, in the same order on every rank) the groups along ``dim``."""
+        if not dist.is_initialized():
+            raise RuntimeError("DeviceMesh: torch.distributed is not initialized; use init_device_mesh()")
+        lines = self.mesh.movedim(dim, -1).reshape(-1, self.mesh.shape[dim]).tolist()
+        key = (id(dist.group.WORLD), dist.get_world_size(), tuple(map(tuple, lines)))
+        if key not in _GROUP_CACHE:
+            mine = None
+            for ranks in lines:
+                if ranks == list(range(dist.get_world_size())):
+                    group = dist.group.WORLD  # a dim spanning the world in order: no new group needed
+                else:
+                    group = dist.new_group(ranks)
+                if self._rank in ranks:
+                    mine = group
+            _GROUP_CACHE[key] = mine
+        return _GROUP_CACHE[key]
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: tuple[str, ...] | None = None,
+) -> DeviceMesh:
+    """Build a mesh of shape ``mesh_shape`` over all ranks (row-major), initialising the default process
+    group from the environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, as torchrun and
+    SLURM launchers set) when it does not exist yet, or as a single process when those are unset.
+
+    Every check runs locally before any collective, so bad input raises the same ``ValueError`` on every
+    rank instead of hanging.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    """
+    device_type = _check_device_type(device_type)
+    mesh_shape = tuple(mesh_shape)
+    if not mesh_shape or not all(isinstance(s, int) and s > 0 for s in mesh_shape):
+        raise ValueError(f"init_device_mesh: mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
+    _check_dim_names(mesh_dim_names, len(mesh_shape))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if math.prod(mesh_shape) != world_size:
+        raise ValueError(
+            f"init_device_mesh: mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world size "
+            f"is {world_size}; choose a shape whose product is {world_size}"
+        )
+    if dist.is_initialized():
+        _check_backend_supports(device_type)
+    else:
+        _init_default_group(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    mesh = torch.arange(world_size, dtype=torch.int64).reshape(mesh_shape)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
+
+
+def _init_default_group(device_type: str) -> None:
+    backend = _BACKEND_FOR_DEVICE[device_type]
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    else:  # a plain single-process script: a group of one over an in-memory store
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _check_device_type(device_type: str) -> str:
+    if device_type not in _BACKEND_FOR_DEVICE:
+        raise ValueError(
+            f"DeviceMesh: device_type {device_type!r} is not supported; use 'cpu' or 'cuda' (without an index)"
+        )
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("DeviceMesh: device_type 'cuda' was asked for but CUDA is not available; use 'cpu'")
+    return device_type
+
+
+def _check_backend_supports(device_type: str) -> None:
+    backend = str(dist.get_backend())
+    wanted = _BACKEND_FOR_DEVICE[device_type]
+    # A backend string is either "gloo"/"nccl" or a per-device map such as "cpu:gloo,cuda:nccl".
+    ok = f"{device_type}:{wanted}" in backend if ":" in backend else backend == wanted
+    if not ok:
+        raise ValueError(
+            f"init_device_mesh: device_type {device_type!r} does not match the process group backend "
+            f"{backend!r}; use device_type {'cuda' if 'nccl' in backend else 'cpu'!r} or init the process "
+            f"group with backend {wanted!r}"
+        )
+
+
+def _check_dim_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(f"DeviceMesh: mesh_dim_names {names} has {len(names)} names for a {ndim}-D mesh")
+    if len(set(names)) != len(names):
+        raise ValueError(f"DeviceMesh: mesh_dim_names {names} repeats a name; each dimension needs its own")
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"DeviceMesh: mesh_dim_names {names} must be non-empty strings")
+    return names
+
+
+def _coordinate_of(mesh: torch.Tensor, rank: int) -> tuple[int, ...] | None:
+    hits = (mesh == rank).nonzero()
+    return tuple(hits[0].tolist()) if len(hits) else None

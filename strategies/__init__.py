@@ -1,0 +1,1 @@
+"""The Lightning strategy "shard_fsdp_tp" (built by the strategy issue on top of lightning_shard)."""

@@ -1,0 +1,181 @@
+"""``__torch_dispatch__`` for DTensor: check arguments, apply the op's sharding rule, run on local shards.
+
+Flow for one op: (1) find the DTensor arguments and check they share one mesh and that any plain tensor is
+a scalar; (2) ask the op's rule (``ops/``) for a plan; (3) redistribute inputs to the plan's placements;
+(4) run the op on meta tensors with the global shapes to learn the outputs' global shapes and strides;
+(5) run the op on the local shards and wrap the results as DTensors.
+
+Ops without a rule are computed on replicated inputs: correct, slower, warned once per op name and counted
+in ``fallback_counts()`` so coverage gaps are visible (tests assert it stays empty on reference models).
+
+Example::
+
+    reset_fallback_counts()
+    loss = model(x).sum()
+    assert fallback_counts() == {}
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import torch
+import torch.utils._pytree as pytree
+
+from lightning_shard.tensor.dtensor import DTensor
+from lightning_shard.tensor.ops import load_rules
+from lightning_shard.tensor.ops._registry import OpCall, Plan, find_rule, is_inplace
+from lightning_shard.tensor.placements import Replicate
+from lightning_shard.tensor.redistribute import redistribute_local
+from lightning_shard.tensor.spec import DTensorSpec
+
+__all__ = ["dispatch", "fallback_counts", "reset_fallback_counts"]
+
+_FALLBACKS: Counter = Counter()
+_WARNED: set[str] = set()
+_CUSTOM: dict = {}  # ops handled end to end by a function (random ops, _foreach_*, non-tensor results)
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many times each op ran through the Replicate-and-compute fallback (op name -> count).
+
+    Example: ``assert fallback_counts() == {}`` after a training step means every op had a sharding rule.
+    """
+    return dict(_FALLBACKS)
+
+
+def reset_fallback_counts() -> None:
+    """Forget the fallback counts (warnings already given stay given)."""
+    _FALLBACKS.clear()
+
+
+def register_custom(*ops):
+    """Register a function ``handler(func, args, kwargs)`` that handles ``ops`` entirely."""
+
+    def deco(fn):
+        for op in ops:
+            _CUSTOM[op] = fn
+        return fn
+
+    return deco
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    load_rules()
+    handler = _CUSTOM.get(func) or _CUSTOM.get(func.overloadpacket)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    call = make_call(func, args, kwargs)
+    rule = find_rule(func)
+    plan = rule(call) if rule is not None else None
+    if plan is None:
+        return _fallback(call)
+    return run_plan(call, plan)
+
+
+def make_call(func, args: tuple, kwargs: dict) -> OpCall:
+    """Collect the DTensor arguments of one op call and check them (same mesh, no non-scalar plain tensor)."""
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
+    specs = [flat[i]._spec for i in positions]
+    mesh = specs[0].mesh
+    for s in specs[1:]:
+        if s.mesh != mesh:
+            raise RuntimeError(
+                f"{func}: DTensor arguments live on different meshes ({mesh} and {s.mesh}); "
+                "redistribute them onto one mesh first"
+            )
+    for a in flat:
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
+            raise RuntimeError(
+                f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
+                f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
+                "DTensor.from_local() first (only 0-dim scalar tensors may be mixed)"
+            )
+    return OpCall(func, args, kwargs, flat, positions, specs, mesh)
+
+
+def run_plan(call: OpCall, plan: Plan):
+    """Redistribute inputs as planned, run the op on local shards, wrap outputs as DTensors."""
+    func = call.func
+    inplace = is_inplace(func)
+    src_args, src_kwargs = plan.local_args if plan.local_args is not None else (call.args, call.kwargs)
+    flat, tree = pytree.tree_flatten((src_args, src_kwargs))
+    dt_positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
+    if len(dt_positions) != len(plan.inputs):
+        raise AssertionError(f"{func}: rule planned {len(plan.inputs)} inputs for {len(dt_positions)} DTensors")
+    local_flat = list(flat)
+    for pos, want in zip(dt_positions, plan.inputs):
+        t: DTensor = flat[pos]
+        if inplace and pos == dt_positions[0] and tuple(want) != t.placements:
+            raise RuntimeError(
+                f"{func}: the in-place op would need its DTensor argument redistributed from "
+                f"{list(t.placements)} to {list(want)}; redistribute it first (x = x.redistribute(...))"
+            )
+        local_flat[pos] = redistribute_local(t._local_tensor, t._spec, want)
+    local_args, local_kwargs = pytree.tree_unflatten(local_flat, tree)
+    meta_out = _run_on_meta(func, call)
+    local_out = func(*local_args, **local_kwargs)
+    if inplace:
+        return call.args[0]
+    return wrap_outputs(local_out, meta_out, plan.outputs, call.mesh)
+
+
+def wrap_outputs(local_out, meta_out, out_placements, mesh):
+    """Wrap each tensor in ``local_out`` as a DTensor with the matching meta shape and planned placements."""
+    flat_local, tree = pytree.tree_flatten(local_out)
+    flat_meta, _ = pytree.tree_flatten(meta_out)
+    wrapped, k = [], 0
+    for loc, meta in zip(flat_local, flat_meta):
+        if isinstance(loc, torch.Tensor):
+            placements = out_placements[k]
+            k += 1
+            if placements is None:
+                wrapped.append(loc)
+                continue
+            spec = DTensorSpec(mesh, tuple(placements), meta.shape, tuple(meta.stride()), meta.dtype)
+            wrapped.append(DTensor(loc, spec, requires_grad=False))
+        else:
+            wrapped.append(loc)
+    return pytree.tree_unflatten(wrapped, tree)
+
+
+def _to_meta(a):
+    if isinstance(a, DTensor):
+        s = a._spec
+        return torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta")
+    return a
+
+
+def _run_on_meta(func, call: OpCall):
+    args, kwargs = pytree.tree_map(_to_meta, (call.args, call.kwargs))
+    return func(*args, **kwargs)
+
+
+def _fallback(call: OpCall):
+    """Replicate every DTensor argument, compute on full tensors, return Replicate outputs."""
+    name = str(call.func)
+    _FALLBACKS[name] += 1
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"lightning_shard DTensor: no sharding rule for {name}; computing it on replicated inputs "
+            "(correct but slow). See lightning_shard.tensor.fallback_counts().",
+            stacklevel=3,
+        )
+    replicate = [tuple([Replicate()] * call.mesh.ndim)] * len(call.specs)
+    if is_inplace(call.func):
+        self_t: DTensor = call.args[0]
+        full = DTensor(
+            redistribute_local(self_t._local_tensor, self_t._spec, replicate[0]).clone(),
+            self_t._spec.with_placements(replicate[0]),
+            requires_grad=False,
+        )
+        args = (full, *call.args[1:])
+        result = run_plan(make_call(call.func, args, call.kwargs), Plan(replicate, [replicate[0]]))
+        self_t._local_tensor.copy_(redistribute_local(result._local_tensor, result._spec, self_t.placements))
+        return self_t
+    meta_out = _run_on_meta(call.func, call)
+    n_out = sum(isinstance(m, torch.Tensor) for m in pytree.tree_leaves(meta_out))
+    return run_plan(call, Plan(replicate, [replicate[0]] * n_out))

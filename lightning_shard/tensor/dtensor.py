@@ -1,0 +1,262 @@
+"""DTensor: a torch.Tensor wrapper subclass holding a local shard, a mesh and one placement per mesh dim.
+
+Autograd sees the DTensor (its global shape); every aten op below autograd goes through
+``__torch_dispatch__`` to a sharding rule (``dispatch.py``). The four conversions (``from_local``,
+``to_local``, ``redistribute``, ``full_tensor``) are autograd functions, so gradients flow through them with
+the placements a user expects: the gradient of a ``Partial`` input is ``Replicate``.
+
+Example::
+
+    x = DTensor.from_local(torch.randn(4, 5), mesh, [Shard(0)])   # a (4 * world, 5) tensor
+    y = (x * 2).redistribute(mesh, [Replicate()])
+    y.to_local().shape                                             # (4 * world, 5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tensor._layout import check_placements, local_shape_and_offset
+from lightning_shard.tensor.placements import Placement, Replicate
+from lightning_shard.tensor.redistribute import redistribute_local
+from lightning_shard.tensor.spec import DTensorSpec
+
+__all__ = ["DTensor"]
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor. See the module docstring; build one with ``from_local`` or ``distribute_tensor``."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ["_local_tensor", "_spec"]
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            dtype=local_tensor.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    # Ops skip __torch_function__ and go straight to __torch_dispatch__ (below autograd).
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from lightning_shard.tensor.dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, placements={self.placements})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        spec, requires_grad = flatten_spec
+        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        # Pickling (torch.save, deepcopy of a model) keeps the local shard and the layout, not the mesh's groups.
+        raise RuntimeError(
+            "DTensor cannot be pickled directly: save shards with lightning_shard.checkpoint.save, or call "
+            ".full_tensor() / .to_local() first"
+        )
+
+    def __deepcopy__(self, memo):
+        local = self._local_tensor.clone()
+        out = DTensor(local, self._spec, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """One placement per mesh dimension."""
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh this tensor is distributed over."""
+        return self._spec.mesh
+
+    # ------------------------------------------------------------------ conversions
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        *,
+        shape: torch.Size | Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+        run_check: bool = False,
+    ) -> DTensor:
+        """Wrap this rank's ``local_tensor`` as the shard of a DTensor (no communication unless asked).
+
+        Without ``shape``, the global shape assumes every rank holds the same local shape (even shards);
+        pass ``shape`` for uneven shards. ``run_check=True`` checks the local shapes against ``shape`` on
+        every rank (one all-gather of shapes) and broadcasts ``Replicate`` dims from the first rank.
+
+        Example: ``DTensor.from_local(torch.ones(3, 5), mesh, [Shard(0)], shape=(7, 5))`` on rank 1 of 2.
+        """
+        placements = check_placements(placements, local_tensor.ndim, device_mesh.ndim, "DTensor.from_local")
+        if shape is None:
+            shape = list(local_tensor.shape)
+            for i, p in enumerate(placements):
+                if p.is_shard():
+                    shape[p.dim] *= device_mesh.size(i)
+        shape = torch.Size(shape)
+        stride = tuple(stride) if stride is not None else _global_stride(local_tensor, shape)
+        spec = DTensorSpec(device_mesh, placements, shape, stride, local_tensor.dtype)
+        if run_check:
+            _check_local_shapes(local_tensor, spec)
+        return _FromLocal.apply(local_tensor, spec, run_check)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's shard as a plain tensor (a view; gradients flow back to the DTensor).
+
+        Example: ``x.to_local().shape == x._spec.local_shape``.
+        """
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
+        """The same global value laid out with ``placements`` (collectives as needed; see redistribute.py).
+
+        Example: ``x.redistribute(mesh, [Replicate()])``.
+        """
+        if device_mesh is not None and device_mesh != self.device_mesh:
+            raise ValueError(
+                f"DTensor.redistribute: moving between meshes ({self.device_mesh} -> {device_mesh}) is not "
+                "supported; redistribute on the tensor's own mesh"
+            )
+        if placements is None:
+            raise ValueError("DTensor.redistribute: pass the target placements")
+        placements = check_placements(placements, self.ndim, self.device_mesh.ndim, "DTensor.redistribute")
+        if placements == self.placements:
+            return self
+        return _Redistribute.apply(self, placements)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (all-gather / all-reduce as needed).
+
+        Example: ``distribute_tensor(t, mesh, [Shard(0)]).full_tensor()`` equals ``t``.
+        """
+        replicated = self.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """Contiguous strides of ``shape`` in the same dim order as ``local``'s memory layout."""
+    if local.ndim == 0:
+        return ()
+    order = sorted(range(local.ndim), key=lambda d: (local.stride(d), local.shape[d]), reverse=True)
+    stride, acc = [0] * local.ndim, 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(stride)
+
+
+def _check_local_shapes(local: torch.Tensor, spec: DTensorSpec) -> None:
+    import torch.distributed as dist
+
+    mesh = spec.mesh
+    shapes = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, tuple(local.shape))
+    errors = []
+    for rank, got in enumerate(shapes):
+        coord = (mesh.mesh == rank).nonzero()
+        if len(coord) == 0:
+            continue
+        want, _ = local_shape_and_offset(spec.shape, spec.placements, mesh.shape, coord[0].tolist())
+        if tuple(got) != tuple(want):
+            errors.append(f"rank {rank} holds {tuple(got)}, expected {tuple(want)}")
+    if errors:
+        raise ValueError(
+            f"DTensor.from_local(run_check=True): local shapes do not match global shape {tuple(spec.shape)} "
+            f"with placements {list(spec.placements)}: " + "; ".join(errors)
+        )
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, run_check: bool) -> DTensor:
+        ctx.spec = spec
+        if run_check:
+            from lightning_shard import comm
+
+            for i, p in enumerate(spec.placements):
+                if p.is_replicate():
+                    local = local.clone()
+                    comm.broadcast(local, 0, spec.mesh.get_group(i))
+        # view_as keeps autograd's view tracking honest: the DTensor aliases the user's tensor.
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec: DTensorSpec = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        return _grad_local(grad, spec.placements), None, None
+
+
+def _grad_local(grad: DTensor, forward_placements: tuple[Placement, ...]) -> torch.Tensor:
+    """Local gradient laid out like the forward input (Partial inputs get Replicate gradients)."""
+    want = tuple(Replicate() if p.is_partial() else p for p in forward_placements)
+    if grad.placements != want:
+        return redistribute_local(grad._local_tensor, grad._spec, want)
+    return grad._local_tensor
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_placements):
+        ctx.spec = x._spec
+        ctx.grad_placements = grad_placements
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec: DTensorSpec = ctx.spec
+        placements = ctx.grad_placements or spec.placements
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, spec.stride, grad.dtype)
+        return DTensor(grad, grad_spec, requires_grad=False), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        ctx.spec = x._spec
+        local = redistribute_local(x._local_tensor, x._spec, placements)
+        return DTensor(local, x._spec.with_placements(placements), requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec: DTensorSpec = ctx.spec
+        want = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        local = redistribute_local(grad._local_tensor, grad._spec, want)
+        grad_spec = DTensorSpec(spec.mesh, want, spec.shape, spec.stride, grad.dtype)
+        return DTensor(local, grad_spec, requires_grad=False), None

@@ -1,0 +1,138 @@
+"""Pointwise ops with broadcasting, in-place variants, dtype casts and copies.
+
+Per mesh dim: the output follows the first argument sharded on a non-broadcast dim (for in-place ops, the
+``self`` argument); the other arguments are redistributed to match (a broadcast dim is replicated). A
+``Partial`` survives only where the op is linear in it: ``add``/``sub`` of partials (a replicated operand
+is turned into a partial term locally), ``mul``/``div`` of one partial by replicated values, ``neg``, and
+copies/casts. Everywhere else partials are reduced first.
+
+Example: ``x (Shard(0)) + bias (Replicate())`` runs locally and returns ``Shard(0)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_shard.tensor.ops._common import REPLICATE
+from lightning_shard.tensor.ops._registry import RULES, OpCall, Plan
+from lightning_shard.tensor.placements import Partial, Placement, Shard
+
+aten = torch.ops.aten
+
+_ADDITIVE = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
+_MULTIPLICATIVE = {aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
+_SCALAR_LINEAR = {
+    aten.mul.Scalar,
+    aten.mul_.Scalar,
+    aten.div.Scalar,
+    aten.div_.Scalar,
+    aten.neg.default,
+    aten.neg_.default,
+    aten.zero_.default,
+}
+_COPIES = {
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.copy_.default,
+    aten.positive.default,
+    aten.lift_fresh.default,
+}
+
+
+def _tensor_args(call: OpCall) -> list:
+    return [a for a in call.flat if isinstance(a, torch.Tensor)]
+
+
+def _partial_ok(call: OpCall, partials: list[Partial], position_of_partial: list[int]) -> bool:
+    """Whether the op may keep a Partial on this mesh dim, given which DTensor args are partial."""
+    func = call.func
+    ops = {p.reduce_op for p in partials}
+    if len(ops) != 1:
+        return False
+    (op,) = ops
+    if func in _COPIES:
+        return True
+    if op not in ("sum", "avg"):
+        return False
+    if func in _SCALAR_LINEAR:
+        return True
+    if func in _ADDITIVE:
+        # every tensor operand must be a DTensor: a plain scalar tensor would be added once per rank
+        return len(_tensor_args(call)) == len(call.specs)
+    if func in _MULTIPLICATIVE:
+        if len(position_of_partial) != 1:
+            return False
+        is_div = func.overloadpacket in (aten.div, aten.div_)
+        return not is_div or position_of_partial[0] == 0
+    return False
+
+
+def pointwise_rule(call: OpCall) -> Plan:
+    specs = call.specs
+    out_shape = torch.broadcast_shapes(*[tuple(a.shape) for a in _tensor_args(call)])
+    inplace = call.is_inplace()
+    inputs: list[list[Placement]] = [[] for _ in specs]
+    outputs: list[Placement] = []
+    for i in range(call.mesh.ndim):
+        here = [s.placements[i] for s in specs]
+        choice = _choose(call, here, out_shape, inplace)
+        for j, s in enumerate(specs):
+            inputs[j].append(_input_placement(choice, s, here[j], out_shape))
+        outputs.append(choice)
+    return Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
+
+
+def _choose(call: OpCall, here: list[Placement], out_shape, inplace: bool) -> Placement:
+    specs = call.specs
+    out_ndim = len(out_shape)
+    if inplace:
+        first = here[0]
+        if first.is_partial():
+            partial_positions = [j for j, p in enumerate(here) if p.is_partial()]
+            ok = _partial_ok(call, [p for p in here if p.is_partial()], partial_positions)
+            return first if ok else REPLICATE  # REPLICATE makes run_plan raise a clear in-place error
+        return first
+    for j, p in enumerate(here):
+        if p.is_shard():
+            od = p.dim + out_ndim - specs[j].ndim
+            if specs[j].shape[p.dim] == out_shape[od]:
+                return Shard(od)
+    partials = [p for p in here if p.is_partial()]
+    if partials:
+        positions = [j for j, p in enumerate(here) if p.is_partial()]
+        if _partial_ok(call, partials, positions):
+            return partials[0]
+    return REPLICATE
+
+
+def _input_placement(choice: Placement, spec, current: Placement, out_shape) -> Placement:
+    if choice.is_shard():
+        d = choice.dim - (len(out_shape) - spec.ndim)
+        if d >= 0 and spec.shape[d] == out_shape[choice.dim]:
+            return Shard(d)
+        return REPLICATE
+    if choice.is_partial():
+        return current if current.is_partial() else choice  # replicated operands become partial terms
+    return REPLICATE
+
+
+def _register_all() -> None:
+    explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | {aten.fill_.Scalar}
+    for op in explicit:
+        RULES[op] = pointwise_rule
+    for name in dir(aten):
+        packet = getattr(aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            tags = op.tags
+            if torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and op not in RULES:
+                if "out" in overload:
+                    continue
+                RULES[op] = pointwise_rule
+
+
+_register_all()

@@ -1,0 +1,211 @@
+"""Redistribution: turn a local shard laid out by one placement list into the shard of another.
+
+Where the collectives happen for DTensor. The plan, per mesh dimension, uses the fewest collectives:
+
+==================  =========================================================
+Shard -> Replicate   all-gather (padded when shards are uneven)
+Partial -> Replicate all-reduce
+Partial -> Shard     reduce-scatter (padded when uneven)
+Shard(i) -> Shard(j) all-to-all
+Replicate -> Shard   local chunk, no communication
+Replicate -> Partial local (keep the value on one rank for sum, everywhere otherwise)
+==================  =========================================================
+
+When several mesh dims shard one tensor dim, a shard can only be gathered once the shards applied after it
+are gathered; those are then chunked again locally (see ``_layout`` for the order).
+
+Example::
+
+    local = redistribute_local(x._local_tensor, x._spec, (Replicate(),))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lightning_shard import comm
+from lightning_shard.tensor._layout import chunk_range, local_range, shard_order
+from lightning_shard.tensor.placements import Partial, Placement, Replicate, StridedShard
+from lightning_shard.tensor.spec import DTensorSpec
+
+
+class _State:
+    """The local tensor and its current placements while a redistribution plan runs."""
+
+    def __init__(self, local: torch.Tensor, spec: DTensorSpec) -> None:
+        self.local = local
+        self.placements: list[Placement] = list(spec.placements)
+        self.mesh = spec.mesh
+        self.shape = spec.shape
+        self.coord = spec.mesh.get_coordinate()
+        self.mesh_shape = spec.mesh.shape
+
+    def lengths_along(self, mesh_dim: int, tensor_dim: int) -> list[int]:
+        """Length along ``tensor_dim`` held by each rank of ``mesh_dim`` (this rank's other coordinates)."""
+        out = []
+        for k in range(self.mesh_shape[mesh_dim]):
+            coord = list(self.coord)
+            coord[mesh_dim] = k
+            out.append(local_range(self.shape[tensor_dim], self.placements, tensor_dim, self.mesh_shape, coord)[1])
+        return out
+
+    # -- single-mesh-dim steps -------------------------------------------------------------------------
+    def all_gather(self, mesh_dim: int) -> None:
+        """Shard -> Replicate on ``mesh_dim``; the shard must be the last applied on its tensor dim."""
+        d = self.placements[mesh_dim].dim
+        lengths = self.lengths_along(mesh_dim, d)
+        chunk = max(lengths)
+        x = self.local.movedim(d, 0)
+        if x.shape[0] < chunk:
+            x = torch.cat([x, x.new_zeros((chunk - x.shape[0], *x.shape[1:]))])
+        x = x.contiguous()
+        out = x.new_empty((len(lengths) * chunk, *x.shape[1:]))
+        comm.all_gather_into(out, x, self.mesh.get_group(mesh_dim))
+        if any(n != chunk for n in lengths):
+            out = torch.cat([p[:n] for p, n in zip(out.split(chunk), lengths)])
+        self.local = out.movedim(0, d)
+        self.placements[mesh_dim] = Replicate()
+
+    def chunk(self, mesh_dim: int, placement: Placement) -> None:
+        """Replicate -> Shard on ``mesh_dim``; it must become the last applied shard on its tensor dim."""
+        d = placement.dim
+        start, length = chunk_range(self.local.shape[d], self.mesh_shape[mesh_dim], self.coord[mesh_dim])
+        self.local = self.local.narrow(d, start, length).contiguous()
+        self.placements[mesh_dim] = placement
+
+    def all_reduce(self, mesh_dim: int) -> None:
+        """Partial -> Replicate on ``mesh_dim``."""
+        op = self.placements[mesh_dim].reduce_op
+        self.local = self.local.clone(memory_format=torch.contiguous_format)  # never mutate the source
+        comm.all_reduce(self.local, self.mesh.get_group(mesh_dim), op)
+        self.placements[mesh_dim] = Replicate()
+
+    def reduce_scatter(self, mesh_dim: int, placement: Placement) -> None:
+        """Partial -> Shard on ``mesh_dim``; the new shard must be the last applied on its tensor dim."""
+        op = self.placements[mesh_dim].reduce_op
+        d, n = placement.dim, self.mesh_shape[mesh_dim]
+        size = self.local.shape[d]
+        step = -(-size // n)
+        x = self.local.movedim(d, 0)
+        if step * n != size:
+            x = F.pad(x.movedim(0, -1), (0, step * n - size)).movedim(-1, 0)
+        x = x.contiguous()
+        out = x.new_empty((step, *x.shape[1:]))
+        comm.reduce_scatter_into(out, x, self.mesh.get_group(mesh_dim), op)
+        _, length = chunk_range(size, n, self.coord[mesh_dim])
+        self.local = out[:length].movedim(0, d).contiguous()
+        self.placements[mesh_dim] = placement
+
+    def all_to_all(self, mesh_dim: int, placement: Placement) -> None:
+        """Shard(a) -> Shard(b) on ``mesh_dim`` when it is the only shard of both tensor dims."""
+        a, b = self.placements[mesh_dim].dim, placement.dim
+        n, me = self.mesh_shape[mesh_dim], self.coord[mesh_dim]
+        group = self.mesh.get_group(mesh_dim)
+        rows_a = self.lengths_along(mesh_dim, a)  # what each peer holds along a
+        pieces = [self.local.narrow(b, *chunk_range(self.local.shape[b], n, k)) for k in range(n)]
+        send = torch.cat([p.contiguous().flatten() for p in pieces])
+        my_b = chunk_range(self.shape[b], n, me)[1]
+        recv_shapes = []
+        for k in range(n):
+            shape = list(self.local.shape)
+            shape[a], shape[b] = rows_a[k], my_b
+            recv_shapes.append(shape)
+        recv_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
+        recv = send.new_empty(sum(recv_sizes))
+        comm.all_to_all_single(recv, send, recv_sizes, [p.numel() for p in pieces], group)
+        parts = [r.view(s) for r, s in zip(recv.split(recv_sizes), recv_shapes)]
+        self.local = torch.cat(parts, dim=a)
+        self.placements[mesh_dim] = placement
+
+    def replicate_to_partial(self, mesh_dim: int, placement: Partial) -> None:
+        if placement.reduce_op == "sum" and self.coord[mesh_dim] != 0:
+            self.local = torch.zeros_like(self.local)
+        self.placements[mesh_dim] = placement
+
+    # -- steps that respect nested shards -------------------------------------------------------------
+    def later_shards(self, mesh_dim: int, tensor_dim: int) -> list[int]:
+        order = shard_order(self.placements, tensor_dim)
+        return order[order.index(mesh_dim) + 1 :]
+
+    def unshard(self, mesh_dim: int) -> None:
+        """Shard -> Replicate on ``mesh_dim``, gathering and re-chunking shards applied after it."""
+        d = self.placements[mesh_dim].dim
+        later = [(j, self.placements[j]) for j in self.later_shards(mesh_dim, d)]
+        for j, _ in reversed(later):
+            self.all_gather(j)
+        self.all_gather(mesh_dim)
+        for j, p in later:
+            self.chunk(j, p)
+
+    def shard(self, mesh_dim: int, placement: Placement) -> None:
+        """Replicate -> Shard on ``mesh_dim``, in its place in the order of shards of that tensor dim."""
+        d = placement.dim
+        self.placements[mesh_dim] = placement
+        later = [(j, self.placements[j]) for j in self.later_shards(mesh_dim, d)]
+        self.placements[mesh_dim] = Replicate()
+        for j, _ in reversed(later):
+            self.all_gather(j)
+        self.chunk(mesh_dim, placement)
+        for j, p in later:
+            self.chunk(j, p)
+
+    def only_shard_of(self, mesh_dim: int, tensor_dim: int) -> bool:
+        return shard_order(self.placements, tensor_dim) in ([], [mesh_dim])
+
+
+def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement]) -> torch.Tensor:
+    """The local shard, under ``target`` placements, of the DTensor whose local shard is ``local``.
+
+    Example: ``redistribute_local(x._local_tensor, x._spec, (Replicate(),))`` all-gathers a 1-D shard.
+    """
+    target = tuple(target)
+    if tuple(spec.placements) == target:
+        return local
+    st = _State(local, spec)
+    ndim = len(spec.shape)
+
+    # 1. Shard(a) -> Shard(b) on the same mesh dim with no other shards involved: one all-to-all.
+    for i, (cur, want) in enumerate(zip(st.placements, target)):
+        if (
+            cur.is_shard()
+            and want.is_shard()
+            and cur.dim != want.dim
+            and not isinstance(cur, StridedShard)
+            and not isinstance(want, StridedShard)
+            and st.only_shard_of(i, cur.dim)
+            and st.only_shard_of(i, want.dim)
+        ):
+            st.all_to_all(i, want)
+
+    # 2. Shards that must go: gather, the last-applied first on each tensor dim.
+    for d in range(ndim):
+        for i in reversed(shard_order(st.placements, d)):
+            if st.placements[i] != target[i]:
+                st.unshard(i)
+
+    # 3. Partials that must go: reduce-scatter straight into a shard when nothing is applied after it.
+    for i, cur in enumerate(st.placements):
+        if cur.is_partial() and cur != target[i]:
+            want = target[i]
+            if want.is_shard() and not isinstance(want, StridedShard) and _is_last_plain(st, i, want.dim):
+                st.reduce_scatter(i, want)
+            else:
+                st.all_reduce(i)
+
+    # 4. Replicate -> Shard / Partial, in mesh order so plain shards nest as they should.
+    for i, want in enumerate(target):
+        if st.placements[i] != want:
+            if want.is_shard():
+                st.shard(i, want)
+            elif want.is_partial():
+                st.replicate_to_partial(i, want)
+    return st.local
+
+
+def _is_last_plain(st: _State, mesh_dim: int, tensor_dim: int) -> bool:
+    """True if a plain shard of ``tensor_dim`` on ``mesh_dim`` would be applied after every current shard."""
+    current = shard_order(st.placements, tensor_dim)
+    return all(j < mesh_dim and not isinstance(st.placements[j], StridedShard) for j in current)

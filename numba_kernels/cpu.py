@@ -70,23 +70,73 @@ _to_f16 = njit(inline="always")(_casts.f32_bits_to_f16)
 _from_f16 = njit(inline="always")(_casts.f16_to_f32_bits)
 
 
+# Element loaders/storers, one per dtype code, all with the same signature
+# (float32 view, uint16 view, index[, value]). ``_make_seg`` below builds one
+# segment loop per (src, dst) dtype pair from them: each pair gets its own
+# branch-free inner loop that LLVM can vectorise, while the kernel keeps one
+# external signature (one compile, one cache entry).
 @njit(inline="always")
-def _load(code, af, a16, i):
-    if code == 0:
-        return af[i]
-    if code == 1:
-        return _bits_to_f32(_from_bf16(np.int64(a16[i])))
+def _ld_f32(af, a16, i):
+    return af[i]
+
+
+@njit(inline="always")
+def _ld_bf16(af, a16, i):
+    return _bits_to_f32(_from_bf16(np.int64(a16[i])))
+
+
+@njit(inline="always")
+def _ld_f16(af, a16, i):
     return _bits_to_f32(_from_f16(np.int64(a16[i])))
 
 
 @njit(inline="always")
-def _store(code, af, a16, i, v):
-    if code == 0:
-        af[i] = v
-    elif code == 1:
-        a16[i] = _to_bf16(_f32_to_bits(v))
-    else:
-        a16[i] = _to_f16(_f32_to_bits(v))
+def _st_f32(af, a16, i, v):
+    af[i] = v
+
+
+@njit(inline="always")
+def _st_bf16(af, a16, i, v):
+    a16[i] = _to_bf16(_f32_to_bits(v))
+
+
+@njit(inline="always")
+def _st_f16(af, a16, i, v):
+    a16[i] = _to_f16(_f32_to_bits(v))
+
+
+def _make_seg(ld, st, ldd):
+    """Specialised segment loop for one (load, store) dtype pair.
+
+    ``ld``/``st``/``ldd`` are closure constants (not arguments) so the calls are
+    static and the kernel stays cacheable on disk.
+    """
+
+    @njit
+    def seg(sf, s16, df, d16, n, has_div, div, acc):
+        # sf/s16/df/d16 are already sliced to the segment, so indices run from 0 and
+        # numba can drop its negative-index wraparound checks (which block SIMD).
+        if acc and has_div:
+            for j in range(n):
+                st(df, d16, j, ldd(df, d16, j) + ld(sf, s16, j) / div)
+        elif acc:
+            for j in range(n):
+                st(df, d16, j, ldd(df, d16, j) + ld(sf, s16, j))
+        elif has_div:
+            for j in range(n):
+                st(df, d16, j, ld(sf, s16, j) / div)
+        else:
+            for j in range(n):
+                st(df, d16, j, ld(sf, s16, j))
+
+    return seg
+
+
+_LD = (_ld_f32, _ld_bf16, _ld_f16)
+_ST = (_st_f32, _st_bf16, _st_f16)
+_seg00, _seg01, _seg02 = (_make_seg(_LD[0], _ST[d], _LD[d]) for d in range(3))
+_seg10, _seg11, _seg12 = (_make_seg(_LD[1], _ST[d], _LD[d]) for d in range(3))
+_seg20, _seg21, _seg22 = (_make_seg(_LD[2], _ST[d], _LD[d]) for d in range(3))
 
 
 @njit(inline="always")
@@ -100,45 +150,45 @@ def _block(b, blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc):
     if sb < 0:  # missing gradient (None): its slots become zeros
         nz += nc
         nc = 0
-    plain = not has_div and not acc
-    # The common combinations get their own tight loops (LLVM vectorises them);
-    # everything else goes through the generic load/compute/store loop.
-    if plain and sc == dc and sc == 0:
-        for j in range(nc):
-            df[do + j] = sf[so + j]
-    elif plain and sc == dc:
-        for j in range(nc):
-            d16[do + j] = s16[so + j]
-    elif plain and sc == 0 and dc == 1:
-        for j in range(nc):
-            d16[do + j] = _to_bf16(_f32_to_bits(sf[so + j]))
-    elif plain and sc == 1 and dc == 0:
-        for j in range(nc):
-            df[do + j] = _bits_to_f32(np.int64(s16[so + j]) << 16)
-    elif sc == 0 and dc == 1 and not acc:
-        for j in range(nc):
-            d16[do + j] = _to_bf16(_f32_to_bits(sf[so + j] / div))
-    elif sc == 1 and dc == 0 and has_div and acc:
-        for j in range(nc):
-            df[do + j] = df[do + j] + _bits_to_f32(np.int64(s16[so + j]) << 16) / div
-    elif sc == 1 and dc == 0 and has_div:
-        for j in range(nc):
-            df[do + j] = _bits_to_f32(np.int64(s16[so + j]) << 16) / div
-    else:
-        for j in range(nc):
-            v = _load(sc, sf, s16, so + j)
-            if has_div:
-                v = v / div
-            if acc:
-                v = v + _load(dc, df, d16, do + j)
-            _store(dc, df, d16, do + j, v)
-    z = do + nc
-    if dc == 0:
-        for j in range(nz):
-            df[z + j] = np.float32(0.0)
-    else:
-        for j in range(nz):
-            d16[z + j] = np.uint16(0)
+    if nc > 0:
+        # Slicing the unused 1-element dummy view just yields an empty slice.
+        a_f = sf[so : so + nc]
+        a_h = s16[so : so + nc]
+        o_f = df[do : do + nc]
+        o_h = d16[do : do + nc]
+        if sc == dc and not has_div and not acc:
+            # Same dtype: move the bits, never round-trip through float.
+            if sc == 0:
+                o_f[:] = a_f
+            else:
+                o_h[:] = a_h
+        elif sc == 0:
+            if dc == 0:
+                _seg00(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+            elif dc == 1:
+                _seg01(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+            else:
+                _seg02(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+        elif sc == 1:
+            if dc == 0:
+                _seg10(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+            elif dc == 1:
+                _seg11(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+            else:
+                _seg12(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+        else:
+            if dc == 0:
+                _seg20(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+            elif dc == 1:
+                _seg21(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+            else:
+                _seg22(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
+    if nz > 0:
+        z = do + nc
+        if dc == 0:
+            df[z : z + nz] = np.float32(0.0)
+        else:
+            d16[z : z + nz] = np.uint16(0)
 
 
 def _kernel_body(blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc):

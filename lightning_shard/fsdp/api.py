@@ -1,0 +1,363 @@
+"""``fully_shard``, ``FSDPModule`` and ``summon_full_params``: the public face of our FSDP.
+
+Example::
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)          # bottom-up: the root takes what the blocks left
+    loss = model(x).sum(); loss.backward(); optim.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_shard import comm
+from lightning_shard.fsdp.param import FSDPParam
+from lightning_shard.fsdp.param_group import FSDPParamGroup, MeshInfo
+from lightning_shard.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
+from lightning_shard.fsdp.state import FSDPState
+from lightning_shard.mesh import DeviceMesh, init_device_mesh
+from lightning_shard.tensor import DTensor
+
+__all__ = ["fully_shard", "FSDPModule", "summon_full_params", "UnshardHandle"]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        for group in self._groups:
+            group.unshard()
+        self._groups = []
+
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (its class becomes ``FSDP<Class>``).
+
+    Example: ``model.set_requires_gradient_sync(False)`` for micro-batches without communication.
+    """
+
+    _fsdp_state: FSDPState
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (e.g. before a custom forward); ``async_op`` returns a handle."""
+        groups = [self._fsdp_state.group] if self._fsdp_state.group is not None else []
+        for group in groups:
+            group.start_unshard()
+        handle = UnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and point the module back at the sharded DTensors."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: keep gradients unsharded and accumulate them locally (no communication) until set back."""
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: keep parameters unsharded after backward (only useful without an optimizer step between)."""
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` after construction."""
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Start these modules' all-gathers when this module's forward starts."""
+        self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Start these modules' all-gathers when this module's backward starts (default: the previous one)."""
+        self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state]
+        states: list[FSDPState] = []
+        for sub in self.modules():
+            state = getattr(sub, "_fsdp_state", None)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    def _apply(self, fn, recurse=True):
+        # Swap parameter objects' contents rather than replacing them, so the DTensors the optimizer and our
+        # groups hold stay the same objects; then re-adopt the new local tensors into flat shard buffers.
+        previous = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(previous)
+        group = self._fsdp_state.group
+        if group is not None and any(
+            fp.sharded._local_tensor.untyped_storage().data_ptr() != group.shard_flat.untyped_storage().data_ptr()
+            or fp.sharded._local_tensor.device != group.shard_flat.device
+            for fp in group.params
+        ):
+            group.rebuild_after_apply()
+        return result
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not already sharded by a nested call) over ``mesh``.
+
+    Apply bottom-up: blocks first, then the root. A list of modules forms one group (for parameters tied
+    across modules). ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
+    Parameters become our DTensors ``Shard(0)`` (``(Replicate(), Shard(0))`` on a 2-D mesh); buffers stay
+    plain and replicated. ``reshard_after_forward`` frees unsharded parameters after forward (True) or keeps
+    them until after backward (False); an int must be 1 (False) or the shard-group size (True).
+
+    Example::
+
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    """
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    _check_modules(modules)
+    mesh = mesh if mesh is not None else _default_mesh(modules)
+    mesh_info = MeshInfo(_check_mesh(mesh))
+    reshard = _normalize_reshard(reshard_after_forward, mesh_info)
+    device = _mesh_device(mesh)
+    ignored = {id(p) for p in (ignored_params or ())}
+    params, originals = _collect_params(modules, ignored, device)
+    group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
+    state = FSDPState(modules, group, mp_policy, reshard)
+    for m in modules:
+        m._fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _check_modules(modules: tuple[nn.Module, ...]) -> None:
+    if not modules:
+        raise ValueError("fully_shard: got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: expected nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} is already sharded (fully_shard was applied to it twice); "
+                "call it once per module"
+            )
+        if isinstance(m, _CONTAINERS):
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} has no forward, so its hooks would never run; apply "
+                "fully_shard to each of its elements (or pass list(container) to shard them as one group)"
+            )
+
+
+def _default_mesh(modules) -> DeviceMesh:
+    device_type = "cuda" if torch.cuda.is_available() and _first_param_device(modules).type != "cpu" else "cpu"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("data_parallel",))
+
+
+def _first_param_device(modules) -> torch.device:
+    for m in modules:
+        for p in m.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _check_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard: mesh must be a lightning_shard DeviceMesh, got {type(mesh).__name__}; convert torch's "
+            "with DeviceMesh.from_torch(mesh)"
+        )
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim > 2 or "tensor_parallel" in names:
+        raise ValueError(
+            f"fully_shard: mesh {mesh} has no (or not only a) data-parallel dimension; pass the data-parallel "
+            "sub-mesh, e.g. mesh['data_parallel'] (or mesh['replicate', 'data_parallel'] for HSDP)"
+        )
+    return mesh
+
+
+def _normalize_reshard(value: bool | int, mesh_info: MeshInfo) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (1, mesh_info.shard_size):
+        return value == mesh_info.shard_size and value != 1
+    raise ValueError(
+        f"fully_shard: reshard_after_forward={value!r}; use True, False, 1 (= False) or the shard-group size "
+        f"{mesh_info.shard_size} (= True). Resharding to a smaller group is not supported yet."
+    )
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _collect_params(modules, ignored: set[int], device: torch.device):
+    """The parameters this call manages: not ignored and not already managed by a nested call."""
+    refs: dict[int, list[tuple[nn.Module, str]]] = {}
+    named: dict[int, tuple[str, nn.Parameter]] = {}
+    for root in modules:
+        for mod_name, sub in root.named_modules(remove_duplicate=False):
+            for name, p in sub.named_parameters(recurse=False):
+                if p is None or id(p) in ignored:
+                    continue
+                if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False):
+                    continue  # a nested fully_shard owns it
+                if isinstance(p, DTensor):
+                    raise NotImplementedError(
+                        f"fully_shard: parameter {mod_name + '.' + name!r} is already a DTensor (tensor parallel?). "
+                        "FSDP over TP is not supported by this version yet."
+                    )
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                refs.setdefault(id(p), []).append((sub, name))
+                named.setdefault(id(p), (fqn, p))
+    params, originals = [], []
+    for key, (fqn, p) in named.items():
+        _check_device(fqn, p, device)
+        params.append(FSDPParam(fqn, p, refs[key]))
+        originals.append(p if p.device.type in ("meta", device.type) else p.to(device))
+    _check_not_top_down(modules)
+    return params, originals
+
+
+def _check_device(fqn: str, p: nn.Parameter, device: torch.device) -> None:
+    if p.device.type == "meta" or p.device.type == device.type:
+        return
+    if device.type == "cuda" and p.device.type == "cpu":
+        return  # moved to the device, as torch's fully_shard does
+    raise ValueError(
+        f"fully_shard: parameter {fqn!r} is on {p.device} but the mesh is a {device.type} mesh; move the module "
+        f"to {device.type} first or use a mesh of device type {p.device.type!r}"
+    )
+
+
+def _check_not_top_down(modules) -> None:
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, FSDPModule):
+                continue
+            for p in sub.parameters(recurse=False):
+                if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False) and not _managed_below(m, p):
+                    raise ValueError(
+                        f"fully_shard: {type(m).__name__} holds parameters already sharded by an enclosing module's "
+                        "fully_shard; apply fully_shard bottom-up (inner blocks first, then the root)"
+                    )
+
+
+def _managed_below(root: nn.Module, p: nn.Parameter) -> bool:
+    for sub in root.modules():
+        state = getattr(sub, "_fsdp_state", None)
+        group = state.group if state is not None and sub is not root else None
+        if group is not None and any(fp.sharded is p for fp in group.params):
+            return True
+    return False
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+def _state_of(module, what: str) -> FSDPState:
+    state = getattr(module, "_fsdp_state", None)
+    if state is None:
+        raise ValueError(f"{what}: {type(module).__name__} is not an FSDP module (call fully_shard on it first)")
+    return state
+
+
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, writeback: bool = True, rank0_only: bool = False) -> Iterator[None]:
+    """Temporarily give every FSDP module in ``module`` its full parameters (in their own dtype, fp32).
+
+    Inside the block, FSDP hooks are off, so forward runs as a plain module (e.g. text generation on rank 0
+    only). With ``writeback=True`` edits to the full parameters are written back to the shards on exit.
+    ``rank0_only=True`` keeps the full parameters on rank 0 only (others keep their shards) and cannot be
+    combined with ``writeback``. Every rank must enter the block (the all-gathers are collective).
+
+    Example::
+
+        with summon_full_params(model, writeback=False, rank0_only=True):
+            if dist.get_rank() == 0:
+                print(model(prompt))
+    """
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params: rank0_only=True cannot write back; pass writeback=False")
+    states = []
+    for sub in module.modules():
+        state = getattr(sub, "_fsdp_state", None)
+        if state is not None and state not in states:
+            states.append(state)
+    full: list[tuple[FSDPParamGroup, list[torch.Tensor]]] = []
+    for state in states:
+        group = state.group
+        if group is None:
+            continue
+        group.reshard()
+        group.finish_reduce()
+        tensors = _gather_full(group)
+        keep = not rank0_only or dist.get_rank() == 0
+        if keep:
+            for fp, t in zip(group.params, tensors):
+                fp.set_on_modules(nn.Parameter(t, requires_grad=fp.requires_grad))
+        full.append((group, tensors if keep else []))
+        state.summoned = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for state in states:
+            state.summoned = False
+        for group, tensors in full:
+            if writeback and tensors:
+                with torch.no_grad():
+                    for i, (fp, t) in enumerate(zip(group.params, tensors)):
+                        local = fp.sharded._local_tensor
+                        start = group.mesh_info.shard_rank * group.layout.rows_per_shard[i]
+                        local.copy_(t.narrow(0, start, local.shape[0]))
+            for fp in group.params:
+                fp.set_on_modules(fp.sharded)
+
+
+def _gather_full(group: FSDPParamGroup) -> list[torch.Tensor]:
+    """All-gather the group's shards in their own dtype into fresh full tensors (one collective)."""
+    from numba_kernels import all_gather_copy_out
+
+    shard = group.shard_flat.to(group.device)
+    out = torch.empty((group.layout.world_size, group.layout.shard_numel), dtype=shard.dtype, device=group.device)
+    comm.all_gather_into(out.view(-1), shard, group.mesh_info.shard_group)
+    full = [torch.empty(fp.shape, dtype=shard.dtype, device=group.device) for fp in group.params]
+    all_gather_copy_out(group.layout, out, full)
+    return full

@@ -1,0 +1,117 @@
+"""Where the FSDP all-gather and reduce-scatter happen: staging kernels around one collective each.
+
+All-gather: this rank's flat shard -> (copy-in with cast, skipped when no cast is needed: the shard buffer
+itself is the input) -> one all-gather -> (copy-out) -> the unsharded flat buffer.
+Reduce-scatter: the unsharded gradients -> (copy-in: pad, pre-divide, cast) -> one reduce-scatter
+[-> all-reduce across replicas for HSDP] -> (post-reduce: divide, upcast, accumulate) -> the sharded
+gradient buffer.
+
+Collectives are issued with ``async_op=True``; the returned handle's ``wait()`` finishes the step. On CUDA,
+NCCL runs them on its own stream, so compute overlaps with communication until ``wait()``.
+
+Example::
+
+    handle = start_all_gather(layout, shard_flat, rank, group, torch.bfloat16, device)
+    finish_all_gather(layout, handle, unsharded_flat)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_shard import comm
+from numba_kernels import GroupLayout, all_gather_copy_in, all_gather_copy_out, post_reduce, reduce_scatter_copy_in
+
+
+@dataclass
+class CollectiveHandle:
+    """An in-flight collective and the buffers it uses (kept alive until ``wait()``)."""
+
+    work: object | None
+    output: torch.Tensor
+    input: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.input = None
+        return self.output
+
+
+def start_all_gather(
+    layout: GroupLayout,
+    shard_flat: torch.Tensor,
+    rank: int,
+    group: dist.ProcessGroup,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+) -> CollectiveHandle:
+    """Issue the all-gather of one group's flat shard; returns the (world_size, shard_numel) output handle."""
+    output = torch.empty((layout.world_size, layout.shard_numel), dtype=compute_dtype, device=device)
+    if shard_flat.dtype == compute_dtype and shard_flat.device == device:
+        inp = shard_flat  # no copy-in at all: the shard buffer is the all-gather input
+    else:
+        src = shard_flat.to(device, non_blocking=True)  # CPU offload: bring the shard to the device
+        all_gather_copy_in(layout, src, output, rank)  # cast fused into the copy into our slot
+        inp = output[rank]
+    work = comm.all_gather_into(output.view(-1), inp, group, async_op=True)
+    return CollectiveHandle(work, output, inp)
+
+
+def finish_all_gather(layout: GroupLayout, handle: CollectiveHandle, unsharded_flat: torch.Tensor) -> None:
+    """Wait for the all-gather and copy the gathered shards into the unsharded flat buffer (one kernel)."""
+    gathered = handle.wait()
+    all_gather_copy_out(layout, gathered, unsharded_flat)
+
+
+def start_reduce_scatter(
+    layout: GroupLayout,
+    grads: list[torch.Tensor | None],
+    group: dist.ProcessGroup,
+    reduce_dtype: torch.dtype,
+    device: torch.device,
+    predivide: float | None,
+) -> CollectiveHandle:
+    """Stage the unsharded gradients (pad, pre-divide, cast in one kernel) and issue the reduce-scatter."""
+    staged = torch.empty((layout.world_size, layout.shard_numel), dtype=reduce_dtype, device=device)
+    reduce_scatter_copy_in(layout, grads, staged, predivide=predivide)
+    output = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=device)
+    work = comm.reduce_scatter_into(output, staged.view(-1), group, "sum", async_op=True)
+    return CollectiveHandle(work, output, staged)
+
+
+def finish_reduce_scatter(
+    layout: GroupLayout,
+    handle: CollectiveHandle,
+    grad_flat: torch.Tensor,
+    postdivide: float | None,
+    accumulate: bool,
+    replicate_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Wait for the reduce-scatter [all-reduce across replicas], then divide/upcast/accumulate in one kernel."""
+    reduced = handle.wait()
+    if replicate_group is not None:
+        comm.all_reduce(reduced, replicate_group, "sum")
+    if reduced.device != grad_flat.device:
+        reduced = reduced.to(grad_flat.device)  # CPU offload: gradients live on CPU
+    post_reduce(layout, reduced, grad_flat, postdivide=postdivide, accumulate=accumulate)
+
+
+def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
+    """(predivide, postdivide) whose product is ``world_size`` (gradients are averaged over ranks).
+
+    fp32 divides once after the sum. Low precision splits the division around the sum (as FSDP1 does) so
+    neither the terms nor the sum overflow or underflow.
+    """
+    if world_size == 1:
+        return None, None
+    if reduce_dtype == torch.float32:
+        return None, float(world_size)
+    pre = 1
+    while world_size % (pre * 2) == 0 and world_size / (pre * 2) >= pre * 2:
+        pre *= 2
+    return (float(pre) if pre > 1 else None), float(world_size) / pre

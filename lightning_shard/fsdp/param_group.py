@@ -1,0 +1,302 @@
+"""FSDPParamGroup: the parameters of one ``fully_shard`` call, laid out in flat buffers.
+
+Memory layout (the point where we go beyond torch FSDP2):
+
+* ``shard_flat``: this rank's padded shards of all parameters, one buffer (``numba_kernels.GroupLayout``);
+  each sharded parameter is a DTensor whose local tensor is a view into it, so without a dtype cast the
+  all-gather reads it directly (no copy-in).
+* ``unsharded_flat``: the full parameters, one buffer in the compute dtype; each unsharded parameter is a
+  view into it. Its storage is freed (resized to 0) on reshard and re-allocated on unshard, so the views,
+  which autograd may have saved for backward, stay valid across the two all-gathers of a step.
+* ``grad_flat``: the sharded gradients, one fp32 buffer; each parameter's ``.grad`` is a DTensor view
+  into it, so post-reduce is one fused kernel for the whole group.
+
+Example::
+
+    group = FSDPParamGroup(params, mesh_info, MixedPrecisionPolicy(), OffloadPolicy(), device)
+    group.unshard(); ...forward...; group.reshard()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_shard.fsdp import collectives
+from lightning_shard.fsdp.param import FSDPParam
+from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tensor import DTensor, Replicate, Shard
+from lightning_shard.tensor.spec import DTensorSpec
+from numba_kernels import GroupLayout
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The FSDP mesh: its shard dim (always the last) and, for HSDP, the replicate dim (the first)."""
+
+    mesh: DeviceMesh
+
+    @property
+    def shard_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(self.shard_dim)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_dim)
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group(0) if self.mesh.ndim == 2 and self.mesh.size(0) > 1 else None
+
+    @property
+    def placements(self) -> tuple:
+        return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+
+
+class FSDPParamGroup:
+    """Flat-buffer sharded storage and the unshard / reshard / reduce steps of one group (module docstring)."""
+
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        originals: list[nn.Parameter],
+        mesh_info: MeshInfo,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+        device: torch.device,
+    ) -> None:
+        self.params = params
+        self.mesh_info = mesh_info
+        self.mp_policy = mp_policy
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.pin_memory = self.offload and offload_policy.pin_memory and device.type == "cuda"
+        self.device = device
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            names = ", ".join(f"{p.fqn}: {p.dtype}" for p in params)
+            raise ValueError(
+                f"fully_shard: the parameters of one group must share a dtype, got {names}; cast the module or "
+                "call fully_shard separately on the submodules holding each dtype"
+            )
+        self.orig_dtype = params[0].dtype
+        self.compute_dtype = mp_policy.compute_dtype(self.orig_dtype)
+        self.reduce_dtype = mp_policy.gradient_dtype(self.orig_dtype)
+        self.layout = GroupLayout([p.shape for p in params], mesh_info.shard_size)
+        self.shard_flat = self._shard_originals(originals)
+        self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
+        self._free_unsharded_storage()
+        self.grad_flat: torch.Tensor | None = None
+        self.is_unsharded = False
+        self.pending_all_gather: collectives.CollectiveHandle | None = None
+        self.pending_reduce: collectives.CollectiveHandle | None = None
+        self.pending_reduce_accumulate = False
+        self.accumulated_grads: list[torch.Tensor | None] | None = None  # no-sync micro-batches
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        if device.type != "meta":
+            self.layout.warm(device, self.compute_dtype, self.reduce_dtype)
+
+    # ------------------------------------------------------------------ construction
+    @property
+    def shard_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload else self.device
+
+    def _shard_originals(self, originals: list[nn.Parameter]) -> torch.Tensor:
+        """Copy this rank's rows of every parameter into a new flat shard and register DTensor params."""
+        device = originals[0].device if originals[0].device.type == "meta" else self.shard_device
+        flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        if self.pin_memory:
+            flat = flat.pin_memory()
+        rank = self.mesh_info.shard_rank
+        for i, (fp, orig) in enumerate(zip(self.params, originals)):
+            local = self._local_view(flat, i)
+            if device.type != "meta":
+                start = rank * self.layout.rows_per_shard[i]
+                local.copy_(orig.detach().narrow(0, start, local.shape[0]))
+            spec = DTensorSpec(self.mesh_info.mesh, self.mesh_info.placements, fp.shape, orig.stride(), self.orig_dtype)
+            fp.sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=fp.requires_grad)
+            fp.sharded._fsdp_managed = True
+            fp.set_on_modules(fp.sharded)
+        return flat
+
+    def _local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        rows = self.layout.local_rows(i, self.mesh_info.shard_rank)
+        shape = self.layout.shapes[i]
+        inner = self.layout.inner_numels[i]
+        offset = int(self.layout.shard_offsets[i])
+        return flat[offset : offset + rows * inner].view(rows, *shape[1:])
+
+    def rebuild_after_apply(self) -> None:
+        """Re-adopt parameters after ``module._apply`` (``to_empty``, ``.to(device)``, dtype casts).
+
+        ``_apply`` gives each sharded DTensor a new local tensor; copy those into a new flat shard and make
+        the DTensors view it again.
+        """
+        locals_ = [fp.sharded._local_tensor for fp in self.params]
+        device = locals_[0].device
+        self.device = device if not self.offload else self.device
+        self.orig_dtype = locals_[0].dtype
+        self.compute_dtype = self.mp_policy.compute_dtype(self.orig_dtype)
+        self.reduce_dtype = self.mp_policy.gradient_dtype(self.orig_dtype)
+        flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        for i, (fp, local) in enumerate(zip(self.params, locals_)):
+            view = self._local_view(flat, i)
+            view.copy_(local)
+            fp.sharded._local_tensor = view
+            fp.sharded._spec = DTensorSpec(
+                fp.sharded._spec.mesh, fp.sharded._spec.placements, fp.shape, fp.sharded._spec.stride, flat.dtype
+            )
+        self.shard_flat = flat
+        self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
+        self._free_unsharded_storage()
+        for fp in self.params:
+            fp.unsharded = None
+        self.grad_flat = None
+        if device.type != "meta":
+            self.layout.warm(self.device, self.compute_dtype, self.reduce_dtype)
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def start_unshard(self) -> None:
+        """Issue the all-gather (async) unless the group is unsharded or a gather is in flight."""
+        if self.is_unsharded or self.pending_all_gather is not None:
+            return
+        self._check_materialized()
+        self.pending_all_gather = collectives.start_all_gather(
+            self.layout,
+            self.shard_flat,
+            self.mesh_info.shard_rank,
+            self.mesh_info.shard_group,
+            self.compute_dtype,
+            self.device,
+        )
+
+    def unshard(self) -> None:
+        """All-gather (or finish a prefetched all-gather) and point the modules at the unsharded params."""
+        if self.is_unsharded:
+            return
+        self.start_unshard()
+        handle, self.pending_all_gather = self.pending_all_gather, None
+        storage = self.unsharded_flat.untyped_storage()
+        storage.resize_(self.layout.unsharded_numel * self.unsharded_flat.element_size())
+        collectives.finish_all_gather(self.layout, handle, self.unsharded_flat)
+        for fp, view in zip(self.params, self._unsharded_views()):
+            fp.set_on_modules(view)
+        self.is_unsharded = True
+
+    def _unsharded_views(self) -> list[nn.Parameter]:
+        """The unsharded parameters, created once per flat buffer so autograd's saved views stay valid."""
+        views = []
+        for i, fp in enumerate(self.params):
+            if fp.unsharded is None:
+                offset = int(self.layout.unsharded_offsets[i])
+                data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
+                fp.unsharded = nn.Parameter(data, requires_grad=fp.requires_grad)
+            views.append(fp.unsharded)
+        return views
+
+    def reshard(self) -> None:
+        """Point the modules back at the sharded DTensors and free the unsharded storage."""
+        if self.pending_all_gather is not None:  # a prefetch that was never used
+            self.pending_all_gather.wait()
+            self.pending_all_gather = None
+        if not self.is_unsharded:
+            return
+        for fp in self.params:
+            fp.set_on_modules(fp.sharded)
+        self._free_unsharded_storage()
+        self.is_unsharded = False
+
+    def _free_unsharded_storage(self) -> None:
+        if self.unsharded_flat.device.type != "meta":
+            self.unsharded_flat.untyped_storage().resize_(0)
+
+    def _check_materialized(self) -> None:
+        if self.shard_flat.device.type == "meta":
+            names = ", ".join(fp.fqn for fp in self.params[:3])
+            raise RuntimeError(
+                f"fully_shard: parameters ({names}, ...) are still on the meta device; materialize the model "
+                "first, e.g. model.to_empty(device=...) then reset_parameters() on each module"
+            )
+
+    # ------------------------------------------------------------------ gradients
+    def post_backward(self) -> None:
+        """Reduce-scatter this backward's gradients (or keep them, without gradient sync)."""
+        grads = [fp.unsharded_grad() for fp in self.params]
+        for fp in self.params:
+            if fp.unsharded is not None:
+                fp.unsharded.grad = None
+        if self.accumulated_grads is not None:
+            grads = [_add(a, g) for a, g in zip(self.accumulated_grads, grads)]
+            self.accumulated_grads = None
+        if not any(g is not None for g in grads):
+            return
+        if not self.requires_gradient_sync:
+            self.accumulated_grads = grads
+            return
+        self.finish_reduce()  # at most one reduce-scatter in flight per group
+        predivide, _ = self._divide_factors()
+        self.pending_reduce = collectives.start_reduce_scatter(
+            self.layout, grads, self.mesh_info.shard_group, self.reduce_dtype, self.device, predivide
+        )
+
+    def finish_reduce(self) -> None:
+        """Wait for the in-flight reduce-scatter and fold it into the sharded ``.grad`` DTensors."""
+        if self.pending_reduce is None:
+            return
+        handle, self.pending_reduce = self.pending_reduce, None
+        accumulate = self._prepare_grad_flat()
+        _, postdivide = self._divide_factors()
+        collectives.finish_reduce_scatter(
+            self.layout, handle, self.grad_flat, postdivide, accumulate, self.mesh_info.replicate_group
+        )
+        self._assign_grads()
+
+    def _divide_factors(self) -> tuple[float | None, float | None]:
+        return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)
+
+    def _prepare_grad_flat(self) -> bool:
+        """Make ``grad_flat`` hold the current ``.grad`` values; return whether post-reduce accumulates."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.shard_device)
+        existing = [fp.sharded.grad for fp in self.params]
+        if all(g is None for g in existing):
+            return False
+        for i, g in enumerate(existing):
+            view = self._local_view(self.grad_flat, i)
+            if g is None:
+                view.zero_()
+            elif g._local_tensor.data_ptr() != view.data_ptr() or view.numel() == 0:
+                view.copy_(g._local_tensor)  # the user replaced .grad: take its values
+        return True
+
+    def _assign_grads(self) -> None:
+        for i, fp in enumerate(self.params):
+            if not fp.requires_grad:
+                continue
+            view = self._local_view(self.grad_flat, i)
+            g = fp.sharded.grad
+            if g is None or g._local_tensor.data_ptr() != view.data_ptr():
+                fp.sharded.grad = DTensor(view, fp.sharded._spec, requires_grad=False)
+
+    def sharded_numel(self) -> int:
+        return self.layout.shard_numel
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a.add_(b)

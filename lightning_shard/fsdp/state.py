@@ -1,0 +1,219 @@
+"""FSDPState: the forward/backward hooks of one ``fully_shard`` call, and the root's end-of-backward work.
+
+Per step, for each group: pre-forward unshards (all-gather) and wraps the inputs so that their gradient
+marks the end of the module's backward; post-forward reshards (per ``reshard_after_forward``) and hooks
+the outputs so that their gradient unshards again before the module's backward (pre-backward); the module's
+post-backward reduce-scatters the gradients and reshards. The root (the outermost ``fully_shard`` module,
+found at the first forward) queues a callback at the end of backward that finishes every group:
+reduce-scatters groups whose post-backward never fired (inputs that did not require grad), waits for the
+in-flight reduce-scatters and reshards, so nothing leaks into the next step.
+
+Prefetch: in backward, each group starts the all-gather of the group that runs backward next (reverse of
+the recorded forward order) unless ``set_modules_to_backward_prefetch`` says otherwise; in forward, only
+the modules named by ``set_modules_to_forward_prefetch`` are prefetched.
+
+Example: see ``lightning_shard.fsdp.fully_shard``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd import Variable
+
+from lightning_shard.fsdp.param_group import FSDPParamGroup
+from lightning_shard.fsdp.policies import MixedPrecisionPolicy
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class FSDPState:
+    """Hooks and flags of one ``fully_shard`` call (its group may be ``None`` when it owns no parameter)."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.is_root: bool | None = None
+        self.all_states: list[FSDPState] = []  # root only: every state in its tree, in module order
+        self.forward_order: list[FSDPState] = []  # root only: order of first pre-forward this step
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.post_backward_done = False
+        self.root: FSDPState | None = None
+        self.summoned = False  # inside summon_full_params: hooks off, the module runs as a plain module
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        self.root = self
+        seen = set()
+        for module in self.modules:
+            for sub in module.modules():
+                state = getattr(sub, "_fsdp_state", None)
+                if state is not None and id(state) not in seen:
+                    seen.add(id(state))
+                    self.all_states.append(state)
+                    if state is not self:
+                        if state.is_root:
+                            raise RuntimeError(
+                                "fully_shard: a module ran forward as its own root before its parent was wrapped; "
+                                "apply fully_shard bottom-up and run forward on the outermost module"
+                            )
+                        state.is_root = False
+                        state.root = self
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.summoned:
+            return args, kwargs
+        self._lazy_init()
+        if self.is_root:
+            self._root_pre_forward()
+        if self.training_state == TrainingState.FORWARD and self.group is not None and self.group.is_unsharded:
+            return args, kwargs  # another module of a list group already ran
+        self.training_state = TrainingState.FORWARD
+        if self.root is not None and self not in self.root.forward_order:
+            self.root.forward_order.append(self)
+        if self.group is not None:
+            self.group.unshard()
+            for state in self.forward_prefetch:
+                if state.group is not None:
+                    state.group.start_unshard()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._mark_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        for state in self.all_states:  # a forward after a backward that ended early (e.g. an exception)
+            if state.group is not None:
+                state.group.finish_reduce()
+        self.forward_order = []
+
+    def _post_forward(self, module: nn.Module, args: tuple, output):
+        if self.summoned:
+            return output
+        grad = torch.is_grad_enabled()
+        # The root's parameters would be all-gathered again right away for backward: keep them (as torch does).
+        # Without grad no backward comes, so always free them.
+        if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root)):
+            self.group.reshard()
+        self.training_state = TrainingState.IDLE
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        if grad:
+            output = self._register_pre_backward(output)
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _mark_inputs_for_post_backward(self, args, kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)
+
+    def _register_pre_backward(self, output):
+        self.post_backward_done = False
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor):
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return grad
+        (self.root or self)._queue_final_callback()
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.group is not None:
+            self.group.unshard()
+            for state in self._backward_prefetch_targets():
+                if state.group is not None:
+                    state.group.start_unshard()
+        return grad
+
+    def _backward_prefetch_targets(self) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = (self.root or self).forward_order
+        if self in order:
+            i = order.index(self)
+            return [order[i - 1]] if i > 0 else []
+        return []
+
+    def _queue_final_callback(self) -> None:
+        if getattr(self, "_callback_queued", False):
+            return
+        self._callback_queued = True
+        Variable._execution_engine.queue_callback(self._root_post_backward_final)
+
+    def post_backward(self) -> None:
+        self.training_state = TrainingState.POST_BACKWARD
+        if self.group is not None:
+            self.group.post_backward()
+            if self.group.reshard_after_backward:
+                self.group.reshard()
+        self.post_backward_done = True
+
+    def _root_post_backward_final(self) -> None:
+        self._callback_queued = False
+        for state in self.all_states:
+            group = state.group
+            if group is not None and group.is_unsharded and not state.post_backward_done:
+                state.post_backward()  # its inputs did not require grad, so its hook never fired
+            if group is not None:
+                group.finish_reduce()
+                if group.reshard_after_backward:
+                    group.reshard()
+            state.training_state = TrainingState.IDLE
+            state.post_backward_done = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return pytree.tree_map(cast, tree)

@@ -158,10 +158,14 @@ def _block(b, blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc):
         o_h = d16[do : do + nc]
         if sc == dc and not has_div and not acc:
             # Same dtype: move the bits, never round-trip through float.
+            # Explicit loops: numba's slice assignment goes through a generic
+            # iterator that does not vectorise; these become memcpy-like SIMD.
             if sc == 0:
-                o_f[:] = a_f
+                for j in range(nc):
+                    o_f[j] = a_f[j]
             else:
-                o_h[:] = a_h
+                for j in range(nc):
+                    o_h[j] = a_h[j]
         elif sc == 0:
             if dc == 0:
                 _seg00(a_f, a_h, o_f, o_h, nc, has_div, div, acc)
@@ -186,9 +190,13 @@ def _block(b, blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc):
     if nz > 0:
         z = do + nc
         if dc == 0:
-            df[z : z + nz] = np.float32(0.0)
+            zf = df[z : z + nz]
+            for j in range(nz):
+                zf[j] = np.float32(0.0)
         else:
-            d16[z : z + nz] = np.uint16(0)
+            zh = d16[z : z + nz]
+            for j in range(nz):
+                zh[j] = np.uint16(0)
 
 
 def _kernel_body(blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc):

@@ -64,9 +64,11 @@ class _State:
         x = x.contiguous()
         out = x.new_empty((len(lengths) * chunk, *x.shape[1:]))
         comm.all_gather_into(out, x, self.mesh.get_group(mesh_dim))
-        if any(n != chunk for n in lengths):
-            out = torch.cat([p[:n] for p, n in zip(out.split(chunk), lengths)])
-        self.local = out.movedim(0, d)
+        if d == 0 and all(n == chunk for n in lengths):
+            self.local = out  # already in place: no copy
+        else:
+            # One copy that drops the padding and puts dim d back, leaving a contiguous tensor.
+            self.local = torch.cat([p[:n].movedim(0, d) for p, n in zip(out.split(chunk), lengths)], dim=d)
         self.placements[mesh_dim] = Replicate()
 
     def chunk(self, mesh_dim: int, placement: Placement) -> None:
@@ -100,14 +102,15 @@ class _State:
         self.placements[mesh_dim] = placement
 
     def all_to_all(self, mesh_dim: int, placement: Placement) -> None:
-        """Shard(a) -> Shard(b) on ``mesh_dim`` when it is the only shard of both tensor dims."""
+        """Shard(a) -> Shard(b) on ``mesh_dim`` when it is the last shard applied on ``a`` and will be the last
+        applied on ``b`` (see ``can_all_to_all``)."""
         a, b = self.placements[mesh_dim].dim, placement.dim
         n, me = self.mesh_shape[mesh_dim], self.coord[mesh_dim]
         group = self.mesh.get_group(mesh_dim)
         rows_a = self.lengths_along(mesh_dim, a)  # what each peer holds along a
         pieces = [self.local.narrow(b, *chunk_range(self.local.shape[b], n, k)) for k in range(n)]
         send = torch.cat([p.contiguous().flatten() for p in pieces])
-        my_b = chunk_range(self.shape[b], n, me)[1]
+        my_b = chunk_range(self.local.shape[b], n, me)[1]
         recv_shapes = []
         for k in range(n):
             shape = list(self.local.shape)
@@ -152,8 +155,22 @@ class _State:
         for j, p in later:
             self.chunk(j, p)
 
-    def only_shard_of(self, mesh_dim: int, tensor_dim: int) -> bool:
-        return shard_order(self.placements, tensor_dim) in ([], [mesh_dim])
+    def can_all_to_all(self, mesh_dim: int, target: Sequence[Placement]) -> bool:
+        """Whether Shard(a) -> ``target[mesh_dim]`` (a plain Shard(b), b != a) is one all-to-all: the current shard
+        must be the last applied on ``a`` (so gathering it needs nothing else gathered first), the new one must
+        apply after every current shard of ``b`` (so splitting the local tensor is the right split), and those
+        shards of ``b`` must be final (otherwise gathering them later would gather this one again)."""
+        cur, want = self.placements[mesh_dim], target[mesh_dim]
+        if not (cur.is_shard() and want.is_shard() and cur.dim != want.dim):
+            return False
+        if isinstance(cur, StridedShard) or isinstance(want, StridedShard):
+            return False
+        on_b = shard_order(self.placements, want.dim)
+        return (
+            shard_order(self.placements, cur.dim)[-1] == mesh_dim
+            and _is_last_plain(self, mesh_dim, want.dim)
+            and all(self.placements[j] == target[j] for j in on_b)
+        )
 
 
 def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement]) -> torch.Tensor:
@@ -167,17 +184,9 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
     st = _State(local, spec)
     ndim = len(spec.shape)
 
-    # 1. Shard(a) -> Shard(b) on the same mesh dim with no other shards involved: one all-to-all.
-    for i, (cur, want) in enumerate(zip(st.placements, target)):
-        if (
-            cur.is_shard()
-            and want.is_shard()
-            and cur.dim != want.dim
-            and not isinstance(cur, StridedShard)
-            and not isinstance(want, StridedShard)
-            and st.only_shard_of(i, cur.dim)
-            and st.only_shard_of(i, want.dim)
-        ):
+    # 1. Shard(a) -> Shard(b) on one mesh dim where no other shard is in the way: one all-to-all.
+    for i, want in enumerate(target):
+        if st.can_all_to_all(i, target):
             st.all_to_all(i, want)
 
     # 2. Shards that must go: gather, the last-applied first on each tensor dim.

@@ -1,0 +1,367 @@
+"""Sharding rules of the math op families (matmul, embedding, softmax, norms, SDPA, NLL loss) on 2 and 4 gloo
+ranks: every result and gradient equals plain torch on full tensors, output placements equal torch's own
+DTensor where it has a rule (unless documented otherwise), and none of these ops hit the fallback.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed.tensor as tdt
+import torch.nn.functional as F
+
+from lightning_shard import init_device_mesh
+from lightning_shard.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    fallback_counts,
+    reset_fallback_counts,
+)
+from tests.harness import distributed
+
+aten = torch.ops.aten
+R = Replicate()
+S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+PS = Partial("sum")
+
+# Ops whose rules live in the modules under test: none of them may reach the fallback.
+OWNED = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.baddbmm.default",
+    "aten.mv.default",
+    "aten.dot.default",
+    "aten.embedding.default",
+    "aten.embedding_dense_backward.default",
+    "aten._softmax.default",
+    "aten._log_softmax.default",
+    "aten._safe_softmax.default",
+    "aten._softmax_backward_data.default",
+    "aten._log_softmax_backward_data.default",
+    "aten.native_layer_norm.default",
+    "aten.native_layer_norm_backward.default",
+    "aten._fused_rms_norm.default",
+    "aten._fused_rms_norm_backward.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten.nll_loss_forward.default",
+    "aten.nll_loss_backward.default",
+    "aten.nll_loss2d_forward.default",
+    "aten.nll_loss2d_backward.default",
+}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _leaf(t: torch.Tensor, mesh, placements) -> DTensor:
+    """A DTensor leaf (requires grad when floating) holding ``t`` laid out as ``placements``."""
+    t = t.clone()
+    if t.is_floating_point():
+        t.requires_grad_()
+    return distribute_tensor(t, mesh, placements)
+
+
+def _dt(t: torch.Tensor, mesh, placements) -> DTensor:
+    """A DTensor (no grad) with ``placements``; ``Partial`` ones are built from a split of ``t`` into terms."""
+    placements = list(placements)
+    if not any(p.is_partial() for p in placements):
+        return distribute_tensor(t.clone(), mesh, placements)
+    base = [R if p.is_partial() else p for p in placements]
+    x = distribute_tensor(t.clone(), mesh, base)
+    # uneven terms: rank-dependent noise that cancels in the sum
+    local = x._local_tensor.clone()
+    coord = mesh.get_coordinate()
+    for i, p in enumerate(placements):
+        if p.is_partial():
+            n = mesh.shape[i]
+            torch.manual_seed(1000 + i)
+            noise = torch.randn((n, *local.shape), dtype=local.dtype)
+            noise = noise - noise.mean(0, keepdim=True)
+            local = (local / n if p.reduce_op == "sum" else local) + noise[coord[i]]
+    return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
+
+
+def _kind(p) -> tuple:
+    """Compare our placements with torch's by kind and dim."""
+    if p.is_shard():
+        return ("S", p.dim)
+    if p.is_partial():
+        return ("P", getattr(p, "reduce_op", "sum"))
+    return ("R",)
+
+
+def _kinds(placements) -> list[tuple]:
+    return [_kind(p) for p in placements]
+
+
+def _to_torch(x: DTensor):
+    """The same value as a torch DTensor over the same process groups (for placement oracles)."""
+    tp = []
+    for p in x.placements:
+        if p.is_shard():
+            tp.append(tdt.Shard(p.dim))
+        elif p.is_partial():
+            tp.append(tdt.Partial(p.reduce_op))
+        else:
+            tp.append(tdt.Replicate())
+    return tdt.DTensor.from_local(
+        x._local_tensor, x.device_mesh.to_torch(), tp, shape=x.shape, stride=x.stride(), run_check=False
+    )
+
+
+def _full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _close(got, want, what: str, atol: float = 1e-5) -> None:
+    got = _full(got)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def _assert_no_owned_fallbacks() -> None:
+    hit = {k: v for k, v in fallback_counts().items() if k in OWNED}
+    assert hit == {}, f"ops with rules ran through the fallback: {hit}"
+
+
+def _check_fn(fn, tensors, placements, mesh, what, *, cot_seed=0, atol=1e-5, torch_oracle=False):
+    """Run ``fn`` on DTensor leaves and on plain tensors; compare outputs and input gradients.
+
+    Returns the DTensor output(s). With ``torch_oracle``, also runs ``fn`` on torch DTensors built from
+    the same inputs and asserts equal output placements.
+    """
+    leaves = [_leaf(t, mesh, p) for t, p in zip(tensors, placements)]
+    refs = [t.clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    out = fn(*leaves)
+    ref = fn(*refs)
+    outs = out if isinstance(out, tuple) else (out,)
+    refs_out = ref if isinstance(ref, tuple) else (ref,)
+    torch.manual_seed(cot_seed)
+    loss_d, loss_r = 0, 0
+    for k, (o, r) in enumerate(zip(outs, refs_out)):
+        _close(o, r.detach(), f"{what}: output {k}", atol)
+        if r.is_floating_point() and r.requires_grad:
+            cot = torch.randn(r.shape, dtype=r.dtype)
+            loss_d = loss_d + (o.full_tensor() * cot).sum()
+            loss_r = loss_r + (r * cot).sum()
+    if isinstance(loss_r, torch.Tensor):
+        loss_d.backward()
+        loss_r.backward()
+        for j, (leaf, r) in enumerate(zip(leaves, refs)):
+            if r.grad is not None:
+                assert leaf.grad is not None, f"{what}: no gradient for input {j}"
+                _close(leaf.grad, r.grad, f"{what}: grad of input {j} (grad placements {leaf.grad.placements})", atol)
+    if torch_oracle:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = fn(*[_to_torch(leaf.detach()) for leaf in leaves])
+        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+        for k, (o, t) in enumerate(zip(outs, theirs)):
+            assert _kinds(o.placements) == _kinds(t.placements), (
+                f"{what}: output {k} placements {list(o.placements)} differ from torch's {list(t.placements)}"
+            )
+    return out
+
+
+def _check_op(op, tensors, placements, mesh, what, *, extra=(), kwargs=None, torch_oracle=False, atol=1e-5):
+    """Call aten ``op`` directly on DTensors with exactly ``placements`` (Partial allowed); compare values.
+
+    Returns the output placements (a list per tensor output).
+    """
+    kwargs = kwargs or {}
+    dts = [_dt(t, mesh, p) if t is not None else None for t, p in zip(tensors, placements)]
+    out = op(*dts, *extra, **kwargs)
+    ref = op(*tensors, *extra, **kwargs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    got = []
+    for k, (o, r) in enumerate(zip(outs, refs)):
+        if r is None:
+            assert o is None, f"{what}: output {k} should be None"
+            continue
+        _close(o, r, f"{what}: output {k}", atol)
+        got.append(list(o.placements))
+    if torch_oracle:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = op(*[_to_torch(d) if d is not None else None for d in dts], *extra, **kwargs)
+        theirs = theirs if isinstance(theirs, (tuple, list)) else (theirs,)
+        theirs = [t for t in theirs if t is not None]
+        for k, (o, t) in enumerate(zip(got, theirs)):
+            assert _kinds(o) == _kinds(t.placements), (
+                f"{what}: output {k} placements {o} differ from torch's {list(t.placements)}"
+            )
+    return got
+
+
+# ----------------------------------------------------------------------------------------------- matmul
+@distributed(world_size=2)
+def test_matmul_family_two_ranks():
+    reset_fallback_counts()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 5), torch.randn(5, 3)
+    # (a, b) placements -> expected output placement; the torch oracle agrees on each
+    cases = [
+        ((S0, R), [S0]),
+        ((R, S1), [S1]),
+        ((S1, S0), [PS]),
+        ((R, R), [R]),
+        ((PS, R), [PS]),
+        ((R, PS), [PS]),
+        ((Partial("avg"), R), [Partial("avg")]),
+    ]
+    for (pa, pb), want in cases:
+        got = _check_op(aten.mm.default, [a, b], [[pa], [pb]], mesh, f"mm {pa} {pb}", torch_oracle=True)
+        assert got == [want], f"mm {pa} x {pb}: {got}"
+    # conflicting inputs: the cheaper redistribution (gather the smaller operand)
+    big, small = torch.randn(9, 6), torch.randn(6, 2)
+    assert _check_op(aten.mm.default, [big, small], [[S0], [S1]], mesh, "mm S0 S1") == [[S0]]
+    assert _check_op(aten.mm.default, [small.t().contiguous(), big.t().contiguous()], [[S0], [S1]], mesh, "mm S0 S1 b")[
+        0
+    ] == [S1]
+    assert _check_op(aten.mm.default, [a, b], [[PS], [PS]], mesh, "mm P P")[0][0].is_partial()
+    _check_op(aten.mm.default, [a, b], [[S0], [S0]], mesh, "mm S0 S0")
+    _check_op(aten.mm.default, [a, b], [[S1], [S1]], mesh, "mm S1 S1")
+
+    # addmm: the bias follows the output; with a Partial product it becomes a Partial term (added once)
+    bias1, bias2 = torch.randn(3), torch.randn(7, 3)
+    for bias in (bias1, bias2):
+        for pa, pb in ((S0, R), (R, S1), (S1, S0), (PS, R)):
+            got = _check_op(
+                aten.addmm.default,
+                [bias, a, b],
+                [[R], [pa], [pb]],
+                mesh,
+                f"addmm bias{bias.ndim} {pa} {pb}",
+                torch_oracle=True,
+            )
+            assert _kinds(got[0]) == _kinds(_check_op(aten.mm.default, [a, b], [[pa], [pb]], mesh, "mm again")[0])
+        _check_op(
+            aten.addmm.default,
+            [bias, a, b],
+            [[R], [S1], [S0]],
+            mesh,
+            "addmm beta alpha",
+            kwargs={"beta": 0.5, "alpha": 2.0},
+        )
+    _check_op(aten.addmm.default, [bias2, a, b], [[S0], [S1], [S0]], mesh, "addmm sharded bias, P product")
+    _check_op(aten.addmm.default, [bias2, a, b], [[PS], [S1], [S0]], mesh, "addmm P bias, P product")
+    _check_op(aten.addmm.default, [bias2, a, b], [[PS], [S0], [R]], mesh, "addmm P bias, S product")
+
+    # bmm / baddbmm: batch shards, uneven batch 3 on 2 ranks
+    x, y, z = torch.randn(3, 4, 5), torch.randn(3, 5, 6), torch.randn(3, 4, 6)
+    for px, py, want in ((S0, S0, S0), (S1, R, S1), (R, S2, S2), (S2, S1, PS), (R, R, R), (PS, R, PS)):
+        got = _check_op(aten.bmm.default, [x, y], [[px], [py]], mesh, f"bmm {px} {py}", torch_oracle=True)
+        assert got == [[want]], f"bmm {px} x {py}: {got}"
+        got = _check_op(
+            aten.baddbmm.default, [z, x, y], [[R], [px], [py]], mesh, f"baddbmm {px} {py}", torch_oracle=True
+        )
+        assert got == [[want]], f"baddbmm {px} x {py}: {got}"
+    _check_op(
+        aten.baddbmm.default,
+        [torch.randn(4, 6), x, y],
+        [[R], [S2], [S1]],
+        mesh,
+        "baddbmm bcast bias",
+        kwargs={"beta": 0.3, "alpha": -1.5},
+    )
+    _check_op(aten.bmm.default, [x, y], [[S0], [S1]], mesh, "bmm batch vs contraction conflict")
+    _check_op(aten.mv.default, [a, torch.randn(5)], [[S1], [S0]], mesh, "mv")
+    _check_op(aten.dot.default, [torch.randn(7), torch.randn(7)], [[S0], [S0]], mesh, "dot")
+
+    # autograd through F.linear (2-D: t + addmm/mm; 3-D: views + mm) with TP layouts, 101x48 weights
+    w, bias = torch.randn(101, 48) * 0.1, torch.randn(101)
+    inp2, inp3 = torch.randn(7, 48), torch.randn(2, 5, 48)
+    for inp in (inp2, inp3):
+        # colwise (weight Shard(0)) and rowwise (weight Shard(1), input sharded on its last dim)
+        _check_fn(F.linear, [inp, w, bias], [[R], [S0], [S0]], mesh, f"linear colwise {inp.ndim}-D")
+        _check_fn(F.linear, [inp, w, bias], [[Shard(inp.ndim - 1)], [S1], [R]], mesh, f"linear rowwise {inp.ndim}-D")
+        _check_fn(F.linear, [inp, w], [[S0], [R]], mesh, f"linear batch {inp.ndim}-D")
+    _check_fn(torch.matmul, [torch.randn(3, 7, 4), torch.randn(3, 4, 5)], [[S0], [S0]], mesh, "matmul batch")
+    _check_fn(torch.baddbmm, [z, x, y], [[R], [S1], [R]], mesh, "baddbmm autograd")
+    _assert_no_owned_fallbacks()
+
+
+# ----------------------------------------------------------------------------------------------- embedding
+@distributed(world_size=2)
+def test_embedding_two_ranks():
+    reset_fallback_counts()
+    mesh = init_device_mesh("cpu", (2,))
+    expect = {  # (table, ids) -> output placement; torch's DTensor agrees (its vocab split is a MaskPartial)
+        (S0, R): PS,
+        (S1, R): S2,
+        (R, S0): S0,
+        (R, S1): S1,
+        (R, R): R,
+    }
+    torch.manual_seed(1)
+    table, ids = torch.randn(101, 6), torch.randint(0, 101, (3, 5))
+    ids[0, :3] = torch.tensor([0, 100, 50])
+    for (tp, ip), want in expect.items():
+        out = _check_fn(
+            lambda i, w: F.embedding(i, w), [ids, table], [[ip], [tp]], mesh, f"embedding {tp} {ip}", torch_oracle=True
+        )
+        assert list(out.placements) == [want], f"embedding table {tp} ids {ip}: {out.placements}"
+    # conflicting placements are resolved by moving the cheaper tensor (here: the indices)
+    _check_fn(lambda i, w: F.embedding(i, w), [ids, table], [[S0], [S0]], mesh, "embedding vocab + batch ids")
+    _check_fn(lambda i, w: F.embedding(i, w), [ids, table], [[S1], [S1]], mesh, "embedding cols + batch ids")
+    # padding_idx (gradient of that row is zero) and scale_grad_by_freq, for each table layout
+    for tp in (S0, S1, R):
+        for ip in (R, S0):
+            _check_fn(
+                lambda i, w: F.embedding(i, w, padding_idx=50),
+                [ids, table],
+                [[ip], [tp]],
+                mesh,
+                f"embedding padding {tp} {ip}",
+            )
+            _check_fn(
+                lambda i, w: F.embedding(i, w, scale_grad_by_freq=True),
+                [ids, table],
+                [[ip], [tp]],
+                mesh,
+                f"embedding freq {tp} {ip}",
+            )
+    # gradient placements: the table's gradient is laid out like the table for the TP layouts
+    for tp, ip, want in ((S0, R, S0), (S1, R, S1), (R, S0, R)):
+        w = _leaf(table, mesh, [tp])
+        out = F.embedding(distribute_tensor(ids, mesh, [ip]), w)
+        out.full_tensor().sum().backward()
+        grad_p = w.grad.placements[0]
+        # batch-split ids give partial sums of the table gradient; FSDP/TP reduce them later
+        assert grad_p == want or (want == R and grad_p.is_partial()), f"grad of table {tp} ids {ip}: {grad_p}"
+    # the backward op itself, on every layout of (grad_output, indices), against torch's placements
+    g = torch.randn(3, 5, 6)
+    for pg, pi, want in ((S0, S0, PS), (S2, R, S1), (PS, R, PS), (R, R, R), (S1, S1, PS)):
+        got = _check_op(
+            aten.embedding_dense_backward.default,
+            [g, ids],
+            [[pg], [pi]],
+            mesh,
+            f"embedding_dense_backward {pg} {pi}",
+            extra=(101, -1, False),
+            torch_oracle=True,
+        )
+        assert got == [[want]], f"embedding_dense_backward {pg} {pi}: {got}"
+    _check_op(
+        aten.embedding_dense_backward.default,
+        [g, ids],
+        [[S0], [S1]],
+        mesh,
+        "embedding bwd mismatch",
+        extra=(101, 7, False),
+    )
+    _check_op(
+        aten.embedding_dense_backward.default, [g, ids], [[S0], [S0]], mesh, "embedding bwd freq", extra=(101, -1, True)
+    )
+    # a 5-row table on 2 ranks and a 1-row table (one rank holds no rows)
+    for vocab in (5, 1):
+        small, sids = torch.randn(vocab, 4), torch.randint(0, vocab, (2, 3))
+        out = _check_fn(lambda i, w: F.embedding(i, w), [sids, small], [[R], [S0]], mesh, f"embedding vocab {vocab}")
+        assert out.placements == (PS,)
+    _assert_no_owned_fallbacks()

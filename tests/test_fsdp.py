@@ -1,10 +1,22 @@
 """fully_shard on real gloo groups: parity with a single process and torch FSDP2, memory, communication."""
 
-import torch.distributed as dist
+import copy
 
-from lightning_shard import init_device_mesh
-from lightning_shard.fsdp import fully_shard
-from lightning_shard.tensor import DTensor, Shard
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_shard import comm, init_device_mesh
+from lightning_shard.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    summon_full_params,
+)
+from lightning_shard.tensor import DTensor, Replicate, Shard
 from tests.fsdp_models import (
     batches,
     full_state,
@@ -29,25 +41,339 @@ def _shard(model, mesh, **kwargs):
     return model
 
 
-def _train(model, data, optim="sgd", lr=0.1):
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _train(model, data, optim="sgd", lr=0.1, dp_rank=None, dp_world=None):
+    rank = dist.get_rank() if dp_rank is None else dp_rank
+    world = dist.get_world_size() if dp_world is None else dp_world
     opt = make_optimizer(model, lr, optim)
+    losses = []
     for x, y in data:
         loss = loss_fn(model, rank_slice(x, rank, world), rank_slice(y, rank, world))
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return model
+        losses.append(loss.detach())
+    return losses
 
 
+def _storage_freed(model) -> bool:
+    groups = [m._fsdp_state.group for m in model.modules() if isinstance(m, FSDPModule)]
+    return all(g is None or g.unsharded_flat.untyped_storage().nbytes() == 0 for g in groups)
+
+
+# ---------------------------------------------------------------------------------------------- 2 ranks
 @distributed(world_size=2)
-def test_parity_with_single_process_sgd():
+def test_parity_with_single_process_and_torch_fsdp2():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     data = batches(5, 4)
     model = make_model()
     ref, _ = train_reference(model, data)
-    _shard(model, _dp_mesh())
+    theirs = copy.deepcopy(model)
+    mesh = _dp_mesh()
+    _shard(model, mesh)
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and p.placements == (Shard(0),), name
+    for block in theirs.blocks:
+        torch_fully_shard(block, mesh=mesh.to_torch())
+    torch_fully_shard(theirs, mesh=mesh.to_torch())
     _train(model, data)
-    diff = max_diff(full_state(model), full_state(ref))
-    assert diff < 1e-5, diff
+    _train(theirs, data)
+    ours = full_state(model)
+    assert max_diff(ours, full_state(ref)) < 1e-5
+    assert max_diff(ours, full_state(theirs)) < 1e-5
+    assert _storage_freed(model)
+    # frozen parameters have no gradient and did not move
+    assert model.frozen.weight.grad is None
+    assert torch.equal(ours["frozen.weight"], make_model().frozen.weight.detach())
+
+
+@distributed(world_size=2)
+def test_gradient_accumulation_without_sync_communicates_once():
+    data = batches(3, 8)
+    model = make_model()
+    ref, _ = train_reference(model, data)
+    _shard(model, _dp_mesh())
+    opt = make_optimizer(model, 0.1, "sgd")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for x, y in data:
+        xs, ys = rank_slice(x, rank, world).chunk(2), rank_slice(y, rank, world).chunk(2)
+        opt.zero_grad()
+        model.set_requires_gradient_sync(False)
+        with comm.count_collectives() as counts:
+            (loss_fn(model, xs[0], ys[0]) / 2).backward()
+        assert counts.calls["reduce_scatter"] == 0
+        model.set_requires_gradient_sync(True)
+        with comm.count_collectives() as counts:
+            (loss_fn(model, xs[1], ys[1]) / 2).backward()
+        assert counts.calls["reduce_scatter"] == len(model.blocks) + 1
+        opt.step()
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=2)
+def test_collective_counts_per_step():
+    x, y = batches(1, 4)[0]
+    for reshard_after_forward, gathers_per_block in ((True, 2), (False, 1)):
+        model = _shard(make_model(), _dp_mesh(), reshard_after_forward=reshard_after_forward)
+        with comm.count_collectives() as counts:
+            loss_fn(model, x, y).backward()
+        n_blocks = len(model.blocks)
+        # The root keeps its parameters between forward and backward (as torch's fully_shard does).
+        assert counts.calls["all_gather"] == gathers_per_block * n_blocks + 1
+        assert counts.calls["reduce_scatter"] == n_blocks + 1
+        assert counts.calls["all_reduce"] == 0
+        assert _storage_freed(model)
+
+
+@distributed(world_size=2)
+def test_reshard_after_forward_false_parity_and_memory():
+    data = batches(4, 4)
+    model = make_model()
+    ref, _ = train_reference(model, data)
+    _shard(model, _dp_mesh(), reshard_after_forward=False)
+    x, y = data[0]
+    loss = loss_fn(model, x, y)
+    # unsharded parameters are kept until backward
+    assert all(m._fsdp_state.group.is_unsharded for m in model.blocks)
+    loss.backward()
+    assert _storage_freed(model)
+    model.zero_grad()
+    _train(model, data)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=2)
+def test_memory_is_the_sharded_share():
+    model = _shard(make_model(), _dp_mesh())
+    world = dist.get_world_size()
+    full_numel = sum(p.numel() for p in make_model().parameters())
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    # Each rank stores 1/world of every parameter, up to the padding of uneven dim-0 sizes.
+    assert full_numel / world <= sum(m._fsdp_state.group.layout.shard_numel for m in [*model.blocks, model])
+    assert abs(local_numel - full_numel / world) <= sum(p.shape[0] for p in model.parameters())
+    data = batches(2, 4)
+    _train(model, data)
+    for p in model.parameters():
+        if p.requires_grad:
+            assert p.grad.to_local().shape == p.to_local().shape
+    opt_state_numel = sum(p.to_local().numel() for p in model.parameters() if p.requires_grad)
+    assert opt_state_numel <= local_numel
+    assert _storage_freed(model)
+
+
+@distributed(world_size=2)
+def test_bf16_mixed_precision_close_to_fp32():
+    data = batches(4, 4)
+    model = make_model()
+    _, ref_losses = train_reference(model, data)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    _shard(model, _dp_mesh(), mp_policy=mp)
+    group = model.blocks[0]._fsdp_state.group
+    assert group.compute_dtype == torch.bfloat16 and group.reduce_dtype == torch.float32
+    losses = _train(model, data)
+    for ours, ref in zip(losses, ref_losses):
+        total = ours.clone()
+        dist.all_reduce(total)
+        assert abs(total.item() / dist.get_world_size() - ref) <= 1e-2 * abs(ref)
+    for p in model.parameters():
+        assert p.dtype == torch.float32  # master weights stay fp32
+
+
+@distributed(world_size=2)
+def test_cpu_offload_parity():
+    data = batches(3, 4)
+    model = make_model()
+    ref, _ = train_reference(model, data)
+    _shard(model, _dp_mesh(), offload_policy=CPUOffloadPolicy())
+    _train(model, data)
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=2)
+def test_adamw_parity():
+    data = batches(4, 4)
+    model = make_model()
+    ref, _ = train_reference(model, data, optim="adamw")
+    _shard(model, _dp_mesh())
+    _train(model, data, optim="adamw")
+    assert max_diff(full_state(model), full_state(ref)) < 2e-4
+
+
+@distributed(world_size=2)
+def test_eval_no_grad_inference_matches_and_frees():
+    model = make_model()
+    ref = copy.deepcopy(model).eval()
+    _shard(model, _dp_mesh(), reshard_after_forward=False)
+    model.eval()
+    x, _ = batches(1, 4)[0]
+    with torch.no_grad():
+        out = model(x)
+    assert torch.allclose(out, ref(x), atol=1e-6)
+    assert _storage_freed(model)
+
+
+class _Twice(nn.Module):
+    """A block called twice per forward and a block whose forward is skipped."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(4, 8)
+        self.shared = nn.Linear(8, 8)
+        self.skipped = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))
+        return self.out(h)
+
+
+@distributed(world_size=2)
+def test_module_called_twice_and_skipped_module():
+    torch.manual_seed(4)
+    xs, ys = torch.randn(4, 8, 4), torch.randn(4, 8, 3)
+    model = _Twice()
+    ref = copy.deepcopy(model)
+    mesh = _dp_mesh()
+    for m in (model.shared, model.skipped, model.out):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    for x, y in zip(xs, ys):
+        for m, opt, xb, yb in ((model, opts[0], x.chunk(world)[rank], y.chunk(world)[rank]), (ref, opts[1], x, y)):
+            opt.zero_grad()
+            F.mse_loss(m(xb), yb).backward()
+            opt.step()
+    assert model.skipped.weight.grad is None
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=2)
+def test_summon_full_params_read_edit_and_rank0_only():
+    model = make_model()
+    expected = full_state(model)
+    _shard(model, _dp_mesh())
+    with summon_full_params(model):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.norm.weight.fill_(2.0)
+    assert max_diff(got, expected) == 0
+    assert torch.equal(model.norm.weight.full_tensor(), torch.full_like(expected["norm.weight"], 2.0))
+    x, _ = batches(1, 2)[0]
+    with summon_full_params(model, writeback=False, rank0_only=True):
+        if dist.get_rank() == 0:
+            model(x)  # generation on one rank: no collective may run
+            assert not isinstance(model.head.weight, DTensor)
+        else:
+            assert isinstance(model.head.weight, DTensor)
+    assert isinstance(model.norm.weight, DTensor)
+    with (
+        pytest.raises(ValueError, match="rank0_only=True cannot write back"),
+        summon_full_params(model, rank0_only=True),
+    ):
+        pass
+
+
+@distributed(world_size=2)
+def test_explicit_unshard_reshard_and_prefetch():
+    model = _shard(make_model(n_blocks=3), _dp_mesh())
+    handle = model.blocks[0].unshard(async_op=True)
+    handle.wait()
+    assert not isinstance(model.blocks[0].up.weight, DTensor)
+    model.blocks[0].reshard()
+    assert isinstance(model.blocks[0].up.weight, DTensor)
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks[:-1]):
+        block.set_modules_to_forward_prefetch([blocks[i + 1]])
+    for i, block in enumerate(blocks[1:], start=1):
+        block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    data = batches(3, 4)
+    ref, _ = train_reference(make_model(n_blocks=3), data)
+    _train(model, data)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+    assert _storage_freed(model)
+
+
+@distributed(world_size=2)
+def test_meta_init_materialised_shard_by_shard():
+    with torch.device("meta"):
+        model = make_model()
+    _shard(model, _dp_mesh())
+    with pytest.raises(RuntimeError, match="still on the meta device"):
+        model(batches(1, 2)[0][0])
+    model.to_empty(device="cpu")
+    ref = make_model()
+    with torch.no_grad():  # load the reference values shard by shard
+        for p, q in zip(model.parameters(), ref.parameters()):
+            start = dist.get_rank() * -(-p.shape[0] // dist.get_world_size())
+            p.to_local().copy_(q.detach()[start : start + p.to_local().shape[0]])
+        model.scale.copy_(ref.scale)  # buffers are plain tensors: to_empty leaves them uninitialised
+    assert max_diff(full_state(model), full_state(ref)) == 0
+    data = batches(2, 4)
+    ref_trained, _ = train_reference(ref, data)
+    _train(model, data)
+    assert max_diff(full_state(model), full_state(ref_trained)) < 1e-5
+
+
+@distributed(world_size=2)
+def test_bad_input_errors_and_model_stays_usable():
+    mesh = _dp_mesh()
+    model = make_model()
+    fully_shard(model.blocks[0], mesh=mesh)
+    with pytest.raises(ValueError, match="applied to it twice"):
+        fully_shard(model.blocks[0], mesh=mesh)
+    with pytest.raises(ValueError, match="ModuleList has no forward"):
+        fully_shard(model.blocks, mesh=mesh)
+    tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tensor_parallel",))
+    with pytest.raises(ValueError, match="no \\(or not only a\\) data-parallel dimension"):
+        fully_shard(model.blocks[1], mesh=tp_mesh)
+    with pytest.raises(ValueError, match="reshard_after_forward=3"):
+        fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=3)
+    top = make_model()
+    fully_shard(top, mesh=mesh)
+    with pytest.raises(ValueError, match="apply fully_shard bottom-up"):
+        fully_shard(top.blocks[0], mesh=mesh)
+    odd = nn.Linear(2, 2)
+    odd.register_parameter("step", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match="'step' is 0-dim"):
+        fully_shard(odd, mesh=mesh)
+    ints = nn.Module()
+    ints.register_parameter("ids", nn.Parameter(torch.arange(4), requires_grad=False))
+    with pytest.raises(ValueError, match="'ids' has dtype torch.int64"):
+        fully_shard(ints, mesh=mesh)
+    # the partly wrapped model still trains after the errors
+    fully_shard(model.blocks[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    data = batches(2, 4)
+    ref, _ = train_reference(make_model(), data)
+    _train(model, data)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- 4 ranks
+@distributed(world_size=4)
+def test_four_ranks_uneven_parity():
+    data = batches(3, 8)
+    model = make_model()
+    ref, _ = train_reference(model, data)
+    _shard(model, _dp_mesh())
+    assert [model.embed.weight.to_local().shape[0]] != [101 // 4]  # 26, 26, 26, 23 rows
+    _train(model, data)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=4)
+def test_hsdp_two_by_two_parity():
+    data = batches(3, 8)
+    model = make_model()
+    ref, _ = train_reference(model, data)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "data_parallel"))
+    _shard(model, mesh)
+    assert model.embed.weight.placements == (Replicate(), Shard(0))
+    with comm.count_collectives() as counts:
+        _train(model, data)
+    assert counts.calls["all_reduce"] == len(data) * (len(model.blocks) + 1)  # one per group across replicas
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5

@@ -11,7 +11,8 @@ For every op this times, on the same buffers:
 * ``copy``  - ``dst.copy_(src)`` moving the same number of bytes (read + written) contiguously.
 
 GB/s = (bytes read + bytes written by a single ideal pass) / seconds, the same byte count for all three
-impls; the median of ``--reps`` timed repetitions after warm-up.
+impls; the median of ``--reps`` repetitions after warm-up, the three impls timed round-robin so that
+background load on a shared machine hits them alike.
 
 Usage::
 
@@ -50,29 +51,32 @@ def group_shapes(total_bytes: int, n: int = 16, seed: int = 0) -> list[tuple[int
     return shapes
 
 
-class Timer:
-    def __init__(self, device: str) -> None:
-        self.device = device
+def time_interleaved(device: str, fns: list[Callable[[], object]], reps: int, warmup: int = 1) -> list[float]:
+    """Median seconds of each fn, measured round-robin (A B C A B C ...).
 
-    def __call__(self, fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
+    Interleaving matters on a shared machine: a burst of someone else's load hits
+    every impl alike instead of whichever happened to run during it.
+    """
+    for fn in fns:
         for _ in range(warmup):
             fn()
-        times = []
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            for _ in range(reps):
+    times: list[list[float]] = [[] for _ in fns]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for _ in range(reps):
+        for k, fn in enumerate(fns):
+            if device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-        else:
-            for _ in range(reps):
+                times[k].append(start.elapsed_time(end) / 1e3)
+            else:
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+                times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def bench_group(
@@ -86,7 +90,6 @@ def bench_group(
 ) -> list[dict]:
     layout = nk.GroupLayout(shapes, ws)
     layout.warm(device, param_dtype, reduce_dtype)
-    timer = Timer(device)
     S, N, rank = layout.shard_numel, layout.unsharded_numel, ws - 1
     f32 = torch.float32
     padded = list(layout.padded_shard_numels)
@@ -100,8 +103,8 @@ def bench_group(
         copy_src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         copy_dst = torch.empty_like(copy_src)
         cases = (("ours", ours), ("torch", torch_path), ("copy", lambda: copy_dst.copy_(copy_src)))
-        for impl, fn in cases:
-            sec = timer(fn, reps)
+        secs = time_interleaved(device, [fn for _, fn in cases], reps)
+        for (impl, _), sec in zip(cases, secs):
             rows.append(
                 {
                     "op": op,

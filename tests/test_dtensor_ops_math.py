@@ -21,6 +21,8 @@ from lightning_shard.tensor import (
     fallback_counts,
     reset_fallback_counts,
 )
+from lightning_shard.tensor.dispatch import make_call
+from lightning_shard.tensor.ops.norms import norm_forward_rule, rms_norm_backward_rule
 from tests.harness import distributed
 
 aten = torch.ops.aten
@@ -175,7 +177,7 @@ def _check_op(op, tensors, placements, mesh, what, *, extra=(), kwargs=None, tor
     kwargs = kwargs or {}
     dts = [_dt(t, mesh, p) if t is not None else None for t, p in zip(tensors, placements)]
     out = op(*dts, *extra, **kwargs)
-    ref = op(*tensors, *extra, **kwargs)
+    ref = op(*tensors, *[_full(e) for e in extra], **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     refs = ref if isinstance(ref, (tuple, list)) else (ref,)
     got = []
@@ -188,7 +190,8 @@ def _check_op(op, tensors, placements, mesh, what, *, extra=(), kwargs=None, tor
     if torch_oracle:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            theirs = op(*[_to_torch(d) if d is not None else None for d in dts], *extra, **kwargs)
+            mine = [*dts, *extra]
+            theirs = op(*[_to_torch(d) if isinstance(d, DTensor) else d for d in mine], **kwargs)
         theirs = theirs if isinstance(theirs, (tuple, list)) else (theirs,)
         theirs = [t for t in theirs if t is not None]
         for k, (o, t) in enumerate(zip(got, theirs)):
@@ -364,4 +367,267 @@ def test_embedding_two_ranks():
         small, sids = torch.randn(vocab, 4), torch.randint(0, vocab, (2, 3))
         out = _check_fn(lambda i, w: F.embedding(i, w), [sids, small], [[R], [S0]], mesh, f"embedding vocab {vocab}")
         assert out.placements == (PS,)
+    _assert_no_owned_fallbacks()
+
+
+# ----------------------------------------------------------------------------------------------- softmax, norms
+@distributed(world_size=2)
+def test_softmax_and_norms_two_ranks():
+    reset_fallback_counts()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(2)
+    x = torch.randn(3, 7, 5)
+    for fn, name in ((torch.softmax, "softmax"), (torch.log_softmax, "log_softmax")):
+        for dim in (-1, 1):
+            for p in (S0, S1, S2, R, PS):
+                want = p if p.is_shard() and p.dim % 3 != dim % 3 else R
+                got = _check_op(
+                    getattr(aten, "_" + name).default,
+                    [x],
+                    [[p]],
+                    mesh,
+                    f"{name} dim {dim} {p}",
+                    extra=(dim, False),
+                    torch_oracle=True,
+                )
+                assert got == [[want]], f"{name} dim {dim} {p}: {got}"
+            _check_fn(lambda t, fn=fn, dim=dim: fn(t, dim), [x], [[S0]], mesh, f"{name} autograd dim {dim}")
+    _check_op(aten._safe_softmax.default, [x], [[S1]], mesh, "_safe_softmax", extra=(-1,), torch_oracle=True)
+    y = torch.softmax(x, -1)
+    for bwd in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
+        for pg, po in ((S0, S0), (S1, R), (R, S0), (PS, S1), (S2, S2), (S0, S1)):
+            _check_op(
+                bwd,
+                [torch.randn(3, 7, 5), y],
+                [[pg], [po]],
+                mesh,
+                f"{bwd} {pg} {po}",
+                extra=(-1, torch.float32),
+                torch_oracle=True,
+            )
+
+    # layer norm over the last dim or the last two; weight/bias replicated (101x48-like uneven rows)
+    x = torch.randn(7, 3, 6)
+    w, b = torch.randn(6), torch.randn(6)
+    for p in (S0, S1, S2, R, PS):
+        out = aten.native_layer_norm.default(_dt(x, mesh, [p]), [6], _dt(w, mesh, [R]), _dt(b, mesh, [R]), 1e-5)
+        ref = aten.native_layer_norm.default(x, [6], w, b, 1e-5)
+        want = p if p in (S0, S1) else R
+        for k in range(3):
+            _close(out[k], ref[k], f"native_layer_norm {p} output {k}")
+            assert out[k].placements == (want,), f"native_layer_norm {p} output {k}: {out[k].placements}"
+        theirs = aten.native_layer_norm.default(
+            _to_torch(_dt(x, mesh, [p])), [6], _to_torch(_dt(w, mesh, [R])), _to_torch(_dt(b, mesh, [R])), 1e-5
+        )
+        assert [_kinds(o.placements) for o in out] == [_kinds(t.placements) for t in theirs], f"layer_norm {p}"
+    for p in (S0, S1, S2):
+        _check_fn(lambda t, w, b: F.layer_norm(t, (6,), w, b), [x, w, b], [[p], [R], [R]], mesh, f"layer_norm fn {p}")
+        _check_fn(lambda t: F.layer_norm(t, (3, 6)), [x], [[p]], mesh, f"layer_norm 2 dims no affine {p}")
+    # backward: grad_weight / grad_bias come back Partial("sum") where rows are sharded (torch agrees)
+    mean, rstd = aten.native_layer_norm.default(x, [6], w, b, 1e-5)[1:]
+    g = torch.randn(7, 3, 6)
+    for pg, px, want in (
+        (S0, S0, [[S0], [PS], [PS]]),
+        (S1, S1, [[S1], [PS], [PS]]),
+        (R, R, [[R], [R], [R]]),
+        (S2, S0, [[S0], [PS], [PS]]),
+        (PS, S1, [[S1], [PS], [PS]]),
+    ):
+        got = _check_op(
+            aten.native_layer_norm_backward.default,
+            [g, x],
+            [[pg], [px]],
+            mesh,
+            f"layer_norm_backward {pg} {px}",
+            extra=(
+                [6],
+                _dt(mean, mesh, [px]),
+                _dt(rstd, mesh, [px]),
+                _dt(w, mesh, [R]),
+                _dt(b, mesh, [R]),
+                [True, True, True],
+            ),
+            torch_oracle=pg != PS,
+        )
+        assert got == want, f"layer_norm_backward {pg} {px}: {got}"
+    got = _check_op(
+        aten.native_layer_norm_backward.default,
+        [g, x],
+        [[S0], [S0]],
+        mesh,
+        "ln bwd mask",
+        extra=([6], _dt(mean, mesh, [S0]), _dt(rstd, mesh, [S0]), None, _dt(b, mesh, [R]), [True, False, True]),
+    )
+    assert got == [[S0], [PS]]
+
+    # RMS norm: on CPU both F.rms_norm and aten._fused_rms_norm decompose above the dispatcher (pow, mean,
+    # rsqrt, mul: pointwise/reduction rules); the _fused_rms_norm rules serve CUDA, where they are kernels.
+    for p in (S0, S1):  # Shard(2) (the normalized dim) hits a pointwise in-place limit: see docs
+        _check_fn(lambda t, w: F.rms_norm(t, (6,), w, 1e-6), [x, w], [[p], [R]], mesh, f"rms_norm fn {p}")
+    rrms = aten._fused_rms_norm.default(x, [6], w, 1e-6)[1]
+    for p in (S0, S1, S2, PS):
+        want = (p,) if p in (S0, S1) else (R,)
+        args = (_dt(x, mesh, [p]), [6], _dt(w, mesh, [R]), 1e-6)
+        plan = norm_forward_rule(make_call(aten._fused_rms_norm.default, args, {}))
+        assert plan.inputs == [want, (R,)] and plan.outputs == [want, want], f"rms fwd {p}: {plan}"
+        args = (_dt(g, mesh, [p]), _dt(x, mesh, [p]), [6], _dt(rrms, mesh, want), _dt(w, mesh, [R]), [True, True])
+        plan = rms_norm_backward_rule(make_call(aten._fused_rms_norm_backward.default, args, {}))
+        assert plan.outputs == [want, (PS,) if p in (S0, S1) else (R,)], f"rms bwd {p}: {plan}"
+        assert plan.inputs == [want, want, want, (R,)], f"rms bwd {p}: {plan}"
+    _assert_no_owned_fallbacks()
+
+
+# ----------------------------------------------------------------------------------------------- attention
+def _sdpa(**kw):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    return fn
+
+
+@distributed(world_size=2)
+def test_sdpa_two_ranks():
+    reset_fallback_counts()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(3)
+    q, k, v = torch.randn(3, 3, 5, 4), torch.randn(3, 3, 6, 4), torch.randn(3, 3, 6, 4)  # uneven B and H
+    for p, want in ((S0, S0), (S1, S1), (R, R), (S2, R), (Shard(3), R), (PS, R)):
+        for kw in ({}, {"is_causal": True}, {"scale": 0.3}):
+            out = _check_fn(_sdpa(**kw), [q, k, v], [[p]] * 3, mesh, f"sdpa {p} {kw}")
+            assert out.placements == (want,), f"sdpa {p} {kw}: {out.placements}"
+    # mixed inputs: heads-sharded query with replicated key/value keeps the heads shard
+    out = _check_fn(_sdpa(), [q, k, v], [[S1], [R], [R]], mesh, "sdpa S1 R R")
+    assert out.placements == (S1,)
+    # boolean and additive masks (not requiring grad: the fused CPU kernel), sharded with the batch
+    bool_mask = torch.rand(3, 1, 5, 6) > 0.3
+    bool_mask[..., 0] = True
+    add_mask = torch.randn(5, 6)
+    for p in (S0, S1):
+        for m in (bool_mask, add_mask):
+            dm = distribute_tensor(m, mesh, [p if m.ndim == 4 and p == S0 else R])
+
+            def fn(q, k, v, dm=dm, m=m):  # the DTensor mask for DTensor inputs, the plain one for the reference
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=dm if isinstance(q, DTensor) else m)
+
+            out = _check_fn(fn, [q, k, v], [[p]] * 3, mesh, f"sdpa mask {tuple(m.shape)} {p}", cot_seed=4)
+            assert out.placements == (p,)
+    # GQA: 4 query heads, 2 key/value heads: heads stay sharded when the kv heads split evenly
+    qg, kg, vg = torch.randn(2, 4, 5, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    out = _check_fn(_sdpa(enable_gqa=True), [qg, kg, vg], [[S1]] * 3, mesh, "sdpa gqa heads")
+    assert out.placements == (S1,)
+    qg, kg, vg = torch.randn(2, 6, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)  # 3 kv heads on 2 ranks
+    out = _check_fn(_sdpa(enable_gqa=True, is_causal=True), [qg, kg, vg], [[S1]] * 3, mesh, "sdpa gqa uneven")
+    assert out.placements == (R,)
+    # the backward op directly, with mixed layouts
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    g = torch.randn_like(out)
+    got = _check_op(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        [g, q, k, v, out, lse],
+        [[S1], [R], [S1], [R], [S1], [S1]],
+        mesh,
+        "sdpa backward op",
+        extra=(0.0, True),
+    )
+    assert got == [[S1]] * 3
+    _assert_no_owned_fallbacks()
+
+
+# ----------------------------------------------------------------------------------------------- losses
+@distributed(world_size=2)
+def test_nll_and_cross_entropy_two_ranks():
+    reset_fallback_counts()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(5)
+    logits = torch.randn(7, 5)  # 4 + 3 rows
+    target = torch.randint(0, 5, (7,))
+    target[0] = 4
+    skewed = target.clone()
+    skewed[4:] = 2  # every row of rank 1 ignored with ignore_index=2: local means would be wrong
+    cw = torch.rand(5) + 0.5
+    red_want = {"mean": PS, "sum": PS, "none": S0}
+    for red in ("mean", "sum", "none"):
+        for tgt, ign in ((target, -100), (target, 1), (skewed, 2)):
+            for lp, tp in ((S0, S0), (S0, R), (R, S0), (S1, S0)):
+
+                def ce(x, t, red=red, ign=ign):
+                    return F.cross_entropy(x, t, reduction=red, ignore_index=ign)
+
+                out = _check_fn(ce, [logits, tgt], [[lp], [tp]], mesh, f"cross_entropy {red} ign {ign} {lp} {tp}")
+                assert out.placements == (red_want[red],), f"cross_entropy {red} {lp} {tp}: {out.placements}"
+
+            def nll_w(x, t, red=red, ign=ign):
+                w = distribute_tensor(cw, mesh, [R]) if isinstance(x, DTensor) else cw
+                return F.nll_loss(torch.log_softmax(x, 1), t, weight=w, reduction=red, ignore_index=ign)
+
+            _check_fn(nll_w, [logits, tgt], [[S0], [S0]], mesh, f"nll class weights {red} ign {ign}")
+    # torch's placements agree for sum and none; for mean torch gives Partial("avg") (wrong for uneven shards
+    # or ignored targets, and refused by torch for uneven shards): ours is Partial("sum") of local_sum/global_count
+    lp = torch.log_softmax(logits, 1)
+    for red, code in (("sum", 2), ("none", 0)):
+        _check_op(
+            aten.nll_loss_forward.default,
+            [lp, target],
+            [[S0], [S0]],
+            mesh,
+            f"nll_loss_forward {red}",
+            extra=(None, code, -100),
+            torch_oracle=True,
+        )
+    even = torch.log_softmax(torch.randn(8, 5), 1), torch.randint(0, 5, (8,))
+    got = _check_op(aten.nll_loss_forward.default, list(even), [[S0], [S0]], mesh, "nll mean", extra=(None, 1, -100))
+    assert got == [[PS], [R]], got
+    theirs = aten.nll_loss_forward.default(
+        _to_torch(_dt(even[0], mesh, [S0])), _to_torch(_dt(even[1], mesh, [S0])), None, 1, -100
+    )
+    assert _kinds(theirs[0].placements) == [("P", "avg")]  # documented difference
+    # every target ignored: nan, like torch
+    all_ign = torch.full((7,), 3)
+    out = F.cross_entropy(distribute_tensor(logits, mesh, [S0]), distribute_tensor(all_ign, mesh, [S0]), ignore_index=3)
+    assert torch.isnan(out.full_tensor()) and torch.isnan(F.cross_entropy(logits, all_ign, ignore_index=3))
+    # label smoothing decomposes into log_softmax + nll + pointwise/sum ops
+    _check_fn(
+        lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1, ignore_index=1),
+        [logits, target],
+        [[S0], [S0]],
+        mesh,
+        "cross_entropy label smoothing",
+    )
+    # the backward op directly: mean needs the global total weight, given replicated or as partial counts
+    total = torch.tensor(float((target != 1).sum()))
+    for red, code, pg in (("mean", 1, R), ("sum", 2, PS), ("none", 0, S0)):
+        g = torch.randn(7) if code == 0 else torch.tensor(0.7)
+        for ptot in (R, PS):
+            got = _check_op(
+                aten.nll_loss_backward.default,
+                [g, lp, target],
+                [[pg], [S0], [S0]],
+                mesh,
+                f"nll_loss_backward {red} total {ptot}",
+                extra=(None, code, 1, _dt(total, mesh, [ptot])),
+            )
+            assert got == [[S0]], got
+    # 3-D / 4-D logits reach nll_loss2d: batch and spatial dims may stay sharded, classes replicated
+    l3, t3 = torch.randn(3, 5, 7), torch.randint(0, 5, (3, 7))
+    l4, t4 = torch.randn(2, 5, 3, 3), torch.randint(0, 5, (2, 3, 3))
+    for red in ("mean", "sum", "none"):
+        for lp, tp, want in ((S0, S0, S0), (S2, S1, S1), (S1, R, R)):
+            out = _check_fn(
+                lambda x, t, red=red: F.cross_entropy(x, t, reduction=red, ignore_index=0),
+                [l3, t3],
+                [[lp], [tp]],
+                mesh,
+                f"cross_entropy 3-D {red} {lp} {tp}",
+            )
+            if red == "none":
+                assert out.placements == (want,), f"3-D none {lp} {tp}: {out.placements}"
+            else:
+                assert out.placements == ((PS,) if want != R else (R,)), f"3-D {red} {lp}: {out.placements}"
+        _check_fn(
+            lambda x, t, red=red: F.cross_entropy(x, t, reduction=red),
+            [l4, t4],
+            [[Shard(3)], [S2]],
+            mesh,
+            f"cross_entropy 4-D {red}",
+        )
     _assert_no_owned_fallbacks()

@@ -66,6 +66,7 @@ class DeviceMesh:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._coordinate = _coordinate_of(self.mesh, self._rank)
         self._groups = _groups if _groups is not None else [self._new_group(d) for d in range(self.ndim)]
+        self._root: DeviceMesh | None = None  # the mesh this one was sliced from (see root_mesh)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -132,7 +133,15 @@ class DeviceMesh:
         kept = sorted(dims)
         index = tuple(slice(None) if d in kept else self._coordinate[d] for d in range(self.ndim))
         sub = self.mesh[index].permute([kept.index(d) for d in dims])
-        return DeviceMesh(self.device_type, sub, mesh_dim_names=names, _groups=[self._groups[d] for d in dims])
+        child = DeviceMesh(self.device_type, sub, mesh_dim_names=names, _groups=[self._groups[d] for d in dims])
+        child._root = self._root or self
+        return child
+
+    @property
+    def root_mesh(self) -> DeviceMesh:
+        """The mesh this one was sliced from (itself if it was not sliced), e.g. to combine the
+        data-parallel and tensor-parallel sub-meshes of FSDP over TP back into one 2-D mesh."""
+        return self._root or self
 
     # ------------------------------------------------------------------ interop
     def to_torch(self) -> torch.distributed.device_mesh.DeviceMesh:

@@ -157,3 +157,11 @@ def test_backend_mismatch_is_reported():
             init_device_mesh("cpu", (2,))
     finally:
         mesh_mod.dist.get_backend = original
+
+
+@distributed(world_size=4)
+def test_submesh_remembers_its_root():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS2)
+    assert mesh.root_mesh is mesh
+    assert mesh["data_parallel"].root_mesh is mesh and mesh["tensor_parallel"].root_mesh is mesh
+    assert mesh["tensor_parallel", "data_parallel"].root_mesh is mesh

@@ -66,12 +66,62 @@ def dispatch(func, args: tuple, kwargs: dict):
     handler = _CUSTOM.get(func) or _CUSTOM.get(func.overloadpacket)
     if handler is not None:
         return handler(func, args, kwargs)
+    fast = _same_layout_pointwise(func, args, kwargs)
+    if fast is not None:
+        return fast
     call = make_call(func, args, kwargs)
     rule = find_rule(func)
     plan = rule(call) if rule is not None else None
     if plan is None:
         return _fallback(call)
     return run_plan(call, plan)
+
+
+def _is_dense(shape, stride) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely (a permutation of contiguous strides)."""
+    expected = 1
+    for size, st in sorted(zip(shape, stride), key=lambda d: d[1]):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout_pointwise(func, args: tuple, kwargs: dict):
+    """Fast path for the optimizer's hot loop: a pointwise op whose DTensor arguments all share one spec
+    (same shape and placements, no Partial) and whose other arguments are Python scalars or 0-dim tensors.
+    The result has the same layout, so no rule, redistribution or meta run is needed."""
+    if torch.Tag.pointwise not in func.tags or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    if kwargs.get("memory_format", torch.preserve_format) != torch.preserve_format:
+        return None  # e.g. clone(memory_format=contiguous_format): the output strides differ from the input's
+    spec = None
+    local_args = []
+    for a in args:
+        if isinstance(a, DTensor):
+            if spec is None:
+                spec = a._spec
+                if spec.has_partial() or not _is_dense(spec.shape, spec.stride):
+                    return None  # a non-dense input (expanded, sliced) gets a differently strided output
+            elif (
+                a._spec.placements != spec.placements
+                or a._spec.shape != spec.shape
+                or a._spec.mesh != spec.mesh
+                or a._spec.stride != spec.stride
+            ):
+                return None
+            local_args.append(a._local_tensor)
+        elif isinstance(a, torch.Tensor) and a.ndim > 0 or isinstance(a, (list, tuple)):
+            return None
+        else:
+            local_args.append(a)
+    if spec is None or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    out = func(*local_args, **kwargs)
+    if is_inplace(func):
+        return args[0]
+    out_spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, out.dtype)
+    return DTensor(out, out_spec, requires_grad=False)
 
 
 def make_call(func, args: tuple, kwargs: dict) -> OpCall:

@@ -46,8 +46,8 @@ def distribute_tensor(
     spec = DTensorSpec(device_mesh, placements, tensor.shape, stride, tensor.dtype)
     replicated = spec.with_placements(tuple([Replicate()] * device_mesh.ndim))
     local = redistribute_local(full.contiguous(), replicated, placements)
-    if local.data_ptr() == tensor.data_ptr() and src_data_rank is None:
-        local = local.clone()  # never alias the caller's tensor
+    if local.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        local = local.clone()  # never alias the caller's tensor (a chunk of it is a view too)
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
 

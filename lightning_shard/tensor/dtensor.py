@@ -79,8 +79,10 @@ class DTensor(torch.Tensor):
         )
 
     def __deepcopy__(self, memo):
-        local = self._local_tensor.clone()
+        local = self._local_tensor.detach().clone()
         out = DTensor(local, self._spec, requires_grad=self.requires_grad)
+        if getattr(self, "_is_param", False):  # nn.Parameter(dtensor) is a DTensor flagged as a parameter
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
         return out
 
@@ -155,8 +157,8 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("DTensor.redistribute: pass the target placements")
         placements = check_placements(placements, self.ndim, self.device_mesh.ndim, "DTensor.redistribute")
-        if placements == self.placements:
-            return self
+        # Even to the same placements, go through autograd (as torch does): the backward turns a Partial
+        # gradient into the Replicate (or Shard) gradient the input's placements call for.
         return _Redistribute.apply(self, placements)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -180,20 +182,34 @@ def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     return tuple(stride)
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _check_local_shapes(local: torch.Tensor, spec: DTensorSpec) -> None:
+    """Raise the same ValueError on every rank if any rank's local shape does not fit the global shape."""
     import torch.distributed as dist
 
     mesh = spec.mesh
-    shapes = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, tuple(local.shape))
+    # Gather (local shape, global shape) so every rank builds the same message, even when ranks inferred
+    # different global shapes (uneven shards passed without ``shape=``).
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (tuple(local.shape), tuple(spec.shape)))
+    members = [r for r in mesh.mesh.flatten().tolist()]
+    global_shapes = {seen[r][1] for r in members}
+    if len(global_shapes) > 1:
+        raise ValueError(
+            f"DTensor.from_local(run_check=True): ranks disagree on the global shape ({sorted(global_shapes)}) "
+            f"with placements {list(spec.placements)}; local shapes are "
+            + ", ".join(f"rank {r}: {seen[r][0]}" for r in members)
+            + ". Pass shape= (and stride=) for uneven shards"
+        )
     errors = []
-    for rank, got in enumerate(shapes):
-        coord = (mesh.mesh == rank).nonzero()
-        if len(coord) == 0:
-            continue
-        want, _ = local_shape_and_offset(spec.shape, spec.placements, mesh.shape, coord[0].tolist())
-        if tuple(got) != tuple(want):
-            errors.append(f"rank {rank} holds {tuple(got)}, expected {tuple(want)}")
+    for rank in members:
+        coord = (mesh.mesh == rank).nonzero()[0].tolist()
+        want, _ = local_shape_and_offset(spec.shape, spec.placements, mesh.shape, coord)
+        if seen[rank][0] != tuple(want):
+            errors.append(f"rank {rank} holds {seen[rank][0]}, expected {tuple(want)}")
     if errors:
         raise ValueError(
             f"DTensor.from_local(run_check=True): local shapes do not match global shape {tuple(spec.shape)} "
@@ -251,6 +267,8 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         ctx.spec = x._spec
         local = redistribute_local(x._local_tensor, x._spec, placements)
+        if placements != x.placements and _shares_storage(local, x._local_tensor):
+            local = local.clone()  # a local chunk (Replicate -> Shard) must not alias the source
         return DTensor(local, x._spec.with_placements(placements), requires_grad=x.requires_grad)
 
     @staticmethod

@@ -1,0 +1,151 @@
+"""Training utilities that must see through DTensors: ``clip_grad_norm_``.
+
+Example::
+
+    from lightning_shard.utils import clip_grad_norm_
+    loss.backward()
+    total = clip_grad_norm_(model.parameters(), max_norm=1.0)   # same value on every rank
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from lightning_shard import comm
+from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tensor.dtensor import DTensor
+from lightning_shard.tensor.placements import Replicate
+
+__all__ = ["clip_grad_norm_"]
+
+# Process groups spanning several mesh dims at once, by their ranks (created once, reused).
+_FLAT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` in place so that their global norm is at most ``max_norm``.
+
+    Same signature and result as ``torch.nn.utils.clip_grad_norm_``, but the norm is the norm of the *global*
+    gradients, over any mix of plain tensors (taken as identical on every rank, as DDP keeps them) and
+    DTensors on one or several meshes with any placements: a sharded gradient counts every shard once, a
+    replicated one counts once (not once per rank), and a ``Partial`` gradient is reduced first (one all-reduce
+    each). The local sums of ``|g|^p`` are grouped by the set of ranks they must be summed over (a mesh and
+    its sharded mesh dims) and each group costs one all-reduce (``max``/``min`` for the inf-norms), whatever
+    the number of parameters. Returns the total norm as a plain 0-dim tensor, equal on every rank.
+
+    Example::
+
+        total = clip_grad_norm_(model.parameters(), 1.0)               # 2-norm
+        clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if math.isnan(norm_type) or (norm_type < 0 and norm_type != -math.inf):
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported; use p >= 0, inf or -inf")
+    if not grads:
+        return torch.tensor(0.0)
+    total = _total_norm(grads, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()}, so "
+            "they cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+        )
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    _scale_(locals_, clip_coef, foreach)
+    return total
+
+
+def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
+    """The global p-norm of ``grads``: per-tensor local terms, one all-reduce per group of ranks to sum over."""
+    op = "max" if p == math.inf else "min" if p == -math.inf else "sum"
+    device = (grads[0]._local_tensor if isinstance(grads[0], DTensor) else grads[0]).device
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    # key: ranks to reduce over (None: nothing to reduce) -> (group, local terms)
+    terms: dict[tuple | None, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+    for g in grads:
+        key, group, local = None, None, g
+        if isinstance(g, DTensor):
+            if g._spec.has_partial():
+                # Reduce Partial terms first; |sum of terms|^p is not the sum of |term|^p.
+                target = tuple(Replicate() if pl.is_partial() else pl for pl in g.placements)
+                g = g.redistribute(g.device_mesh, target)
+            local = g._local_tensor
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            if dims:
+                key, group = _group_over(g.device_mesh, dims)
+        terms.setdefault(key, (group, []))[1].append(_local_term(local.to(dtype), p))
+    partials = []
+    for group, values in terms.values():
+        value = _combine(torch.stack(values).to(device), op)
+        if group is not None:
+            comm.all_reduce(value, group, op)
+        partials.append(value)
+    total = _combine(torch.stack(partials), op)
+    if op != "sum" or p == 0:
+        return total
+    return total.pow(1.0 / p)
+
+
+def _local_term(x: torch.Tensor, p: float) -> torch.Tensor:
+    """What this shard adds to the global norm: sum |x|^p (max / min |x| for the inf-norms; empty is neutral)."""
+    if p == math.inf:
+        return x.abs().amax() if x.numel() else x.new_zeros(())
+    if p == -math.inf:
+        return x.abs().amin() if x.numel() else x.new_full((), math.inf)
+    if p == 0:
+        return (x != 0).sum().to(x.dtype)
+    if p == 1:
+        return x.abs().sum()
+    if p == 2:
+        return x.pow(2).sum()  # avoids a sqrt then a square
+    return torch.linalg.vector_norm(x, p).pow(p)
+
+
+def _combine(values: torch.Tensor, op: str) -> torch.Tensor:
+    return {"sum": values.sum, "max": values.amax, "min": values.amin}[op]()
+
+
+def _group_over(mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple[tuple, dist.ProcessGroup]:
+    """(ranks, process group) of the ranks sharing this rank's coordinates outside mesh ``dims``."""
+    if len(dims) == 1:
+        group = mesh.get_group(dims[0])
+        return tuple(dist.get_process_group_ranks(group)), group
+    coord = mesh.get_coordinate()
+    index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
+    ranks = tuple(mesh.mesh[index].flatten().tolist())
+    if ranks not in _FLAT_GROUPS:
+        if list(ranks) == list(range(dist.get_world_size())):
+            _FLAT_GROUPS[ranks] = dist.group.WORLD
+        else:
+            # Only the members call this (every rank of the group does, in the same order of first use), so
+            # sub-meshes whose other groups this rank cannot see work too.
+            _FLAT_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return ranks, _FLAT_GROUPS[ranks]
+
+
+def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        c = coef.to(device)
+        if foreach is not False:
+            torch._foreach_mul_(group, c)
+        else:
+            for t in group:
+                t.mul_(c)

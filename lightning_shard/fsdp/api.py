@@ -149,7 +149,7 @@ def fully_shard(
     reshard = _normalize_reshard(reshard_after_forward, mesh_info)
     device = _mesh_device(mesh)
     ignored = {id(p) for p in (ignored_params or ())}
-    params, originals = _collect_params(modules, ignored, device)
+    params, originals = _collect_params(modules, ignored, device, mesh)
     group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
     state = FSDPState(modules, group, mp_policy, reshard)
     for m in modules:
@@ -221,7 +221,7 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device("cpu")
 
 
-def _collect_params(modules, ignored: set[int], device: torch.device):
+def _collect_params(modules, ignored: set[int], device: torch.device, mesh: DeviceMesh):
     """The parameters this call manages: not ignored and not already managed by a nested call."""
     refs: dict[int, list[tuple[nn.Module, str]]] = {}
     named: dict[int, tuple[str, nn.Parameter]] = {}
@@ -232,12 +232,9 @@ def _collect_params(modules, ignored: set[int], device: torch.device):
                     continue
                 if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False):
                     continue  # a nested fully_shard owns it
-                if isinstance(p, DTensor):
-                    raise NotImplementedError(
-                        f"fully_shard: parameter {mod_name + '.' + name!r} is already a DTensor (tensor parallel?). "
-                        "FSDP over TP is not supported by this version yet."
-                    )
                 fqn = f"{mod_name}.{name}" if mod_name else name
+                if isinstance(p, DTensor):
+                    _check_tp_param(fqn, p, mesh)
                 refs.setdefault(id(p), []).append((sub, name))
                 named.setdefault(id(p), (fqn, p))
     params, originals = [], []
@@ -247,6 +244,27 @@ def _collect_params(modules, ignored: set[int], device: torch.device):
         originals.append(p if p.device.type in ("meta", device.type) else p.to(device))
     _check_not_top_down(modules)
     return params, originals
+
+
+def _check_tp_param(fqn: str, p: DTensor, mesh: DeviceMesh) -> None:
+    """A parameter that is already our DTensor must live on a TP sub-mesh of the FSDP mesh's root mesh."""
+    tp_mesh = p.device_mesh
+    ok = (
+        mesh.ndim == 1
+        and tp_mesh.ndim == 1
+        and tp_mesh.root_mesh is mesh.root_mesh
+        and mesh.root_mesh is not mesh
+        and mesh.mesh_dim_names is not None
+        and tp_mesh.mesh_dim_names is not None
+        and not any(pl.is_partial() for pl in p.placements)
+    )
+    if not ok:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is already a DTensor on {tp_mesh} with placements {list(p.placements)}; "
+            f"FSDP over TP needs the TP mesh and the FSDP mesh {mesh} to be named 1-D sub-meshes of one root mesh, "
+            "e.g. root = init_device_mesh(..., mesh_dim_names=('data_parallel', 'tensor_parallel')), then "
+            "parallelize_module(m, root['tensor_parallel'], plan) and fully_shard(m, mesh=root['data_parallel'])"
+        )
 
 
 def _check_device(fqn: str, p: nn.Parameter, device: torch.device) -> None:
@@ -331,7 +349,7 @@ def summon_full_params(module: nn.Module, writeback: bool = True, rank0_only: bo
         keep = not rank0_only or dist.get_rank() == 0
         if keep:
             for fp, t in zip(group.params, tensors):
-                fp.set_on_modules(nn.Parameter(t, requires_grad=fp.requires_grad))
+                fp.set_on_modules(nn.Parameter(fp.wrap_unsharded(t), requires_grad=fp.requires_grad))
         full.append((group, tensors if keep else []))
         state.summoned = True
     try:

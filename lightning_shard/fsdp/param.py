@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_shard.tensor import DTensor
+
 
 class FSDPParam:
     """Book-keeping for one parameter of an FSDP group (see module docstring)."""
@@ -32,7 +34,11 @@ class FSDPParam:
             )
         self.fqn = fqn
         self.refs = refs
-        self.shape = param.shape
+        # FSDP over TP: the parameter is already our DTensor on a tensor-parallel mesh. FSDP then shards its
+        # TP-local tensor, and the unsharded parameter used in forward is that DTensor again.
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        self.shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # what FSDP shards
+        self.global_shape = param.shape
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
         self.sharded: nn.Parameter | None = None  # our DTensor, Shard(0) on the data-parallel mesh
@@ -44,4 +50,15 @@ class FSDPParam:
             module._parameters[name] = tensor
 
     def unsharded_grad(self) -> torch.Tensor | None:
-        return None if self.unsharded is None else self.unsharded.grad
+        """This rank's gradient of the unsharded parameter (TP-local, laid out like the parameter)."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if isinstance(grad, DTensor):
+            # e.g. a TP-replicated norm weight fed sequence-parallel inputs gets a Partial gradient
+            grad = grad.redistribute(self.tp_spec.mesh, self.tp_spec.placements).to_local()
+        return grad
+
+    def wrap_unsharded(self, local: torch.Tensor) -> torch.Tensor:
+        """The tensor modules see in forward: ``local`` itself, or the TP DTensor around it."""
+        if self.tp_spec is None:
+            return local
+        return DTensor(local, self.tp_spec, requires_grad=False)

@@ -29,7 +29,7 @@ from lightning_shard.fsdp import collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from lightning_shard.mesh import DeviceMesh
-from lightning_shard.tensor import DTensor, Replicate, Shard
+from lightning_shard.tensor import DTensor, Replicate, Shard, StridedShard
 from lightning_shard.tensor.spec import DTensorSpec
 from numba_kernels import GroupLayout
 
@@ -63,6 +63,21 @@ class MeshInfo:
     @property
     def placements(self) -> tuple:
         return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+
+    def param_mesh_and_placements(self, fp: FSDPParam) -> tuple[DeviceMesh, tuple]:
+        """Mesh and placements of the sharded DTensor of ``fp``: the FSDP mesh, or (dp, tp) for FSDP over TP.
+
+        On (dp, tp) the data-parallel shard splits the TP-local tensor on dim 0: a plain ``Shard(0)`` when TP
+        does not shard dim 0, else a ``StridedShard(0)`` (applied after TP's split).
+        """
+        if fp.tp_spec is None:
+            return self.mesh, self.placements
+        tp_mesh, tp_placements = fp.tp_spec.mesh, fp.tp_spec.placements
+        dp_name, tp_name = self.mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]
+        mesh = self.mesh.root_mesh[dp_name, tp_name]
+        tp_shards_dim0 = any(p.is_shard(0) for p in tp_placements)
+        dp = StridedShard(0, split_factor=tp_mesh.size()) if tp_shards_dim0 else Shard(0)
+        return mesh, (dp, *tp_placements)
 
 
 class FSDPParamGroup:
@@ -124,8 +139,10 @@ class FSDPParamGroup:
             local = self._local_view(flat, i)
             if device.type != "meta":
                 start = rank * self.layout.rows_per_shard[i]
-                local.copy_(orig.detach().narrow(0, start, local.shape[0]))
-            spec = DTensorSpec(self.mesh_info.mesh, self.mesh_info.placements, fp.shape, orig.stride(), self.orig_dtype)
+                source = orig._local_tensor if isinstance(orig, DTensor) else orig
+                local.copy_(source.detach().narrow(0, start, local.shape[0]))
+            mesh, placements = self.mesh_info.param_mesh_and_placements(fp)
+            spec = DTensorSpec(mesh, placements, fp.global_shape, orig.stride(), self.orig_dtype)
             fp.sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=fp.requires_grad)
             fp.sharded._fsdp_managed = True
             fp.set_on_modules(fp.sharded)
@@ -156,7 +173,7 @@ class FSDPParamGroup:
             view.copy_(local)
             fp.sharded._local_tensor = view
             fp.sharded._spec = DTensorSpec(
-                fp.sharded._spec.mesh, fp.sharded._spec.placements, fp.shape, fp.sharded._spec.stride, flat.dtype
+                fp.sharded._spec.mesh, fp.sharded._spec.placements, fp.global_shape, fp.sharded._spec.stride, flat.dtype
             )
         self.shard_flat = flat
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
@@ -202,7 +219,7 @@ class FSDPParamGroup:
             if fp.unsharded is None:
                 offset = int(self.layout.unsharded_offsets[i])
                 data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
-                fp.unsharded = nn.Parameter(data, requires_grad=fp.requires_grad)
+                fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
             views.append(fp.unsharded)
         return views
 

@@ -15,7 +15,7 @@ import torch
 
 from lightning_shard.tensor.ops._common import REPLICATE
 from lightning_shard.tensor.ops._registry import RULES, OpCall, Plan
-from lightning_shard.tensor.placements import Partial, Placement, Shard
+from lightning_shard.tensor.placements import Partial, Placement, Shard, StridedShard
 
 aten = torch.ops.aten
 
@@ -98,7 +98,7 @@ def _choose(call: OpCall, here: list[Placement], out_shape, inplace: bool) -> Pl
         if p.is_shard():
             od = p.dim + out_ndim - specs[j].ndim
             if specs[j].shape[p.dim] == out_shape[od]:
-                return Shard(od)
+                return _with_dim(p, od)
     partials = [p for p in here if p.is_partial()]
     if partials:
         positions = [j for j, p in enumerate(here) if p.is_partial()]
@@ -111,11 +111,18 @@ def _input_placement(choice: Placement, spec, current: Placement, out_shape) -> 
     if choice.is_shard():
         d = choice.dim - (len(out_shape) - spec.ndim)
         if d >= 0 and spec.shape[d] == out_shape[choice.dim]:
-            return Shard(d)
+            return _with_dim(choice, d)
         return REPLICATE
     if choice.is_partial():
         return current if current.is_partial() else choice  # replicated operands become partial terms
     return REPLICATE
+
+
+def _with_dim(p: Placement, dim: int) -> Placement:
+    """``p`` moved to tensor dim ``dim``, keeping its kind (a StridedShard stays strided)."""
+    if p.dim == dim:
+        return p
+    return StridedShard(dim, p.split_factor) if isinstance(p, StridedShard) else Shard(dim)
 
 
 def _register_all() -> None:

@@ -14,8 +14,11 @@ from lightning_shard.tensor import (
     Partial,
     Replicate,
     Shard,
+    StridedShard,
     distribute_module,
     distribute_tensor,
+    from_torch_dtensor,
+    to_torch_dtensor,
 )
 from tests.harness import distributed
 
@@ -43,7 +46,10 @@ def _same_kind(ours, theirs) -> bool:
     if len(ours) != len(theirs):
         return False
     for a, b in zip(ours, theirs):
-        if a.is_shard() != b.is_shard() or a.is_replicate() != b.is_replicate() or a.is_partial() != b.is_partial():
+        b_shard = b.is_shard() or type(b).__name__ == "_StridedShard"  # torch's says is_shard() is False
+        if isinstance(a, StridedShard) != (type(b).__name__ == "_StridedShard"):
+            return False
+        if a.is_shard() != b_shard or a.is_replicate() != b.is_replicate() or a.is_partial() != b.is_partial():
             return False
         if a.is_shard() and a.dim != b.dim:
             return False
@@ -299,6 +305,58 @@ def test_bad_input_errors_same_on_every_rank():
     assert torch.equal(x.full_tensor(), x.full_tensor())
 
 
+def _check_interop(mesh, x):
+    """x -> torch's DTensor -> ours: zero-copy, same placements by kind, same global metadata and value."""
+    t = to_torch_dtensor(x)
+    assert isinstance(t, tdt.DTensor) and not isinstance(t, DTensor)
+    assert t.shape == x.shape and t.stride() == x.stride() and t.dtype == x.dtype
+    assert t.to_local().data_ptr() == x.to_local().data_ptr()
+    assert _same_kind(x.placements, t.placements)
+    for ours, theirs in zip(x.placements, t.placements):
+        assert getattr(ours, "reduce_op", None) == getattr(theirs, "reduce_op", None)
+        assert getattr(ours, "split_factor", 1) == getattr(theirs, "split_factor", 1)
+    assert [g for g in t.device_mesh.get_all_groups()] == mesh.get_all_groups()
+    torch.testing.assert_close(t.full_tensor(), x.full_tensor())
+    back = from_torch_dtensor(t)
+    assert isinstance(back, DTensor) and back.placements == x.placements and back.device_mesh == mesh
+    assert back.shape == x.shape and back.stride() == x.stride()
+    assert back.to_local().data_ptr() == x.to_local().data_ptr()
+    return t
+
+
+@distributed(world_size=2)
+def test_interop_with_torch_dtensor():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(7, 5, generator=g)
+    w = torch.randn(7, 5, generator=g)
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+        _check_interop(mesh, distribute_tensor(full, mesh, placements))
+    for op in ("sum", "avg", "max", "min"):
+        _check_interop(mesh, DTensor.from_local(torch.randn(3, 2) + rank, mesh, [Partial(op)]))
+    # Column-major global stride survives both ways.
+    _check_interop(mesh, DTensor.from_local(torch.randn(5, 3).t(), mesh, [Shard(1)], shape=(3, 10)))
+    # torch's DTensor -> ours, uneven shards made by torch.
+    t = tdt.distribute_tensor(full, mesh.to_torch(), [tdt.Shard(0)])
+    x = from_torch_dtensor(t)
+    assert x.placements == (Shard(0),) and x.to_local().data_ptr() == t.to_local().data_ptr()
+    assert torch.equal(x.full_tensor(), full)
+    # Autograd flows across both conversions, with the leaf's placements.
+    leaf = distribute_tensor(full.clone().requires_grad_(), mesh, [Shard(1)])
+    (to_torch_dtensor(leaf).full_tensor() * w).sum().backward()
+    assert leaf.grad.placements == (Shard(1),)
+    torch.testing.assert_close(leaf.grad.full_tensor(), w)
+    tleaf = tdt.distribute_tensor(full.clone().requires_grad_(), mesh.to_torch(), [tdt.Shard(0)])
+    (from_torch_dtensor(tleaf).full_tensor() * w).sum().backward()
+    assert tleaf.grad.placements == (tdt.Shard(0),)
+    torch.testing.assert_close(tleaf.grad.full_tensor(), w)
+    with pytest.raises(TypeError, match="expected a lightning_shard DTensor"):
+        to_torch_dtensor(full)
+    with pytest.raises(TypeError, match="expected torch.distributed.tensor.DTensor"):
+        from_torch_dtensor(full)
+
+
 # ----------------------------------------------------------------------------------------------- 4 ranks
 @distributed(world_size=4)
 def test_2d_conversions_and_autograd():
@@ -332,3 +390,26 @@ def test_2d_conversions_and_autograd():
     torch.testing.assert_close(x.grad.full_tensor(), w)
     with pytest.raises(ValueError, match="1 placements"):
         distribute_tensor(t, mesh, [Shard(0)])
+
+
+@distributed(world_size=4)
+def test_interop_2d_nested_and_strided():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    for placements in (
+        [Shard(0), Shard(1)],
+        [Shard(0), Shard(0)],
+        [Replicate(), Shard(1)],
+        [Partial(), Shard(0)],
+        [StridedShard(0, split_factor=2), Shard(0)],  # FSDP over TP; torch's layout agrees on 2x2 meshes
+    ):
+        x = distribute_tensor(full, mesh, [Replicate(), Replicate()]).redistribute(mesh, placements)
+        t = _check_interop(mesh, x)
+        # torch computes on it: its own redistribution gives the same value.
+        if not any(p.is_partial() for p in placements):
+            assert torch.equal(t.redistribute(t.device_mesh, [tdt.Replicate()] * 2).to_local(), full)
+    # A split_factor that does not describe our layout in torch's terms: refused on every rank, no hang.
+    x = distribute_tensor(full, mesh, [StridedShard(0, split_factor=3), Shard(0)])
+    with pytest.raises(ValueError, match="different layout in torch's _StridedShard"):
+        to_torch_dtensor(x)
+    assert torch.equal(x.full_tensor(), full)

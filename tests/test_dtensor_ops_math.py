@@ -82,16 +82,16 @@ def _dt(t: torch.Tensor, mesh, placements) -> DTensor:
     for i, p in enumerate(placements):
         if p.is_partial():
             n = mesh.shape[i]
-            torch.manual_seed(1000 + i)
-            noise = torch.randn((n, *local.shape), dtype=local.dtype)
+            # a private generator: local shapes differ across ranks, the global RNG must not diverge
+            gen = torch.Generator().manual_seed(1000 + i)
+            noise = torch.randn((n, *local.shape), dtype=local.dtype, generator=gen)
             noise = noise - noise.mean(0, keepdim=True)
             local = (local / n if p.reduce_op == "sum" else local) + noise[coord[i]]
     return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
 
 
 def _same(t):
-    """``t`` as rank 0 has it: references must use the data ``distribute_tensor`` takes from rank 0, even if
-    some library code consumed random numbers on some ranks only (torch's DTensor oracle may)."""
+    """``t`` as rank 0 has it: references must use the data ``distribute_tensor`` takes from rank 0."""
     if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
         return t
     t = t.clone().contiguous()

@@ -1,0 +1,376 @@
+"""Model and optimizer state dicts keyed by parameter FQN, sharded (our DTensors) or full (plain tensors).
+
+The keys are those of ``model.state_dict()`` on the unsharded model (FSDP and TP do not rename anything), so a
+sharded state dict of one mesh, a full state dict, torch FSDP2's ``get_state_dict`` and a plain model's
+``state_dict()`` all use the same names. The optimizer state is ``{"state": {fqn: {...}}, "param_groups":
+[{..., "params": [fqn, ...]}]}``, exactly torch's ``get_optimizer_state_dict`` format.
+
+Example::
+
+    msd = get_model_state_dict(model)                       # {fqn: DTensor (sharded) or Tensor (buffers)}
+    osd = get_optimizer_state_dict(model, optim)
+    set_model_state_dict(model, msd); set_optimizer_state_dict(model, optim, osd)
+    full = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)   # rank 0 only
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor as TorchDTensor
+
+from lightning_shard.checkpoint._interop import from_torch
+from lightning_shard.checkpoint._validate import Problems, describe
+from lightning_shard.tensor import DTensor
+
+__all__ = [
+    "get_model_state_dict",
+    "set_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+]
+
+_STATE, _PG, _PARAMS = "state", "param_groups", "params"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _keep_full(cpu_offload: bool) -> bool:
+    """torch's StateDictOptions rule: full + cpu_offload keeps the full tensors on rank 0 only."""
+    return not cpu_offload or _rank() == 0
+
+
+def _export(value: torch.Tensor, full: bool, cpu_offload: bool, cache: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One state tensor in the requested form. ``cache`` gathers a tied tensor once."""
+    if id(value) in cache:
+        return cache[id(value)]
+    with torch.no_grad():
+        if isinstance(value, TorchDTensor):
+            value = from_torch(value)
+        if isinstance(value, DTensor):
+            if full:
+                out = value.full_tensor()  # one parameter at a time: peak extra memory ~ this tensor
+            else:
+                local = value._local_tensor.detach()
+                if cpu_offload:
+                    local = local.cpu()
+                out = DTensor(local, value._spec, requires_grad=False)
+        else:
+            out = value.detach()
+        if cpu_offload and not isinstance(out, DTensor):
+            out = out.cpu()
+    cache[id(value)] = out
+    return out
+
+
+def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)  # our and torch's DTensors report the global shape
+
+
+def _local_part(full: torch.Tensor, target: DTensor) -> torch.Tensor:
+    """This rank's shard of ``full`` in ``target``'s layout (nested torch.chunk shards are contiguous ranges)."""
+    spec = target._spec
+    out = full
+    for d, (off, size) in enumerate(zip(spec.local_offset, spec.local_shape)):
+        out = out.narrow(d, off, size)
+    return out
+
+
+def _as_ours(value: torch.Tensor) -> torch.Tensor:
+    return from_torch(value) if isinstance(value, TorchDTensor) else value
+
+
+def _check_tensor(problems: Problems, key: str, value: Any, target: torch.Tensor) -> bool:
+    """Record why ``value`` cannot be copied into ``target``; True when it can."""
+    if not isinstance(value, torch.Tensor):
+        problems.mismatch(key, describe(target.shape, target.dtype), f"a {type(value).__name__}")
+        return False
+    if _global_shape(value) != _global_shape(target) or value.dtype != target.dtype:
+        problems.mismatch(key, describe(target.shape, target.dtype), describe(value.shape, value.dtype))
+        return False
+    value = _as_ours(value)
+    if isinstance(value, DTensor) and isinstance(target, DTensor) and value.device_mesh != target.device_mesh:
+        problems.mismatch(
+            key,
+            f"a tensor on mesh {target.device_mesh} or a full tensor",
+            f"a DTensor on mesh {value.device_mesh} (load from a DCP directory to reshard between meshes)",
+        )
+        return False
+    return True
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` (full tensor or DTensor) into ``target`` in place, keeping ``target``'s layout."""
+    value = _as_ours(value)
+    if isinstance(target, DTensor):
+        local = target._local_tensor
+        if isinstance(value, DTensor):
+            if value.placements != target.placements:
+                value = value.redistribute(target.device_mesh, target.placements)
+            src = value._local_tensor
+        else:
+            src = _local_part(value, target)
+        if src.data_ptr() != local.data_ptr():
+            local.copy_(src)
+    else:
+        src = value.full_tensor() if isinstance(value, DTensor) else value
+        if src.data_ptr() != target.data_ptr():
+            target.copy_(src)
+
+
+# ------------------------------------------------------------------------------------------------ model
+def get_model_state_dict(
+    model: nn.Module, *, full_state_dict: bool = False, cpu_offload: bool = False
+) -> dict[str, torch.Tensor]:
+    """``model``'s parameters and persistent buffers by FQN.
+
+    Sharded (default): each DTensor parameter as our DTensor sharing the parameter's local storage (loading
+    into it, e.g. with :func:`lightning_shard.checkpoint.load`, writes the parameter), plain tensors detached.
+    ``full_state_dict=True``: plain full tensors, all-gathered one parameter at a time (collective: every rank
+    must call it; peak extra memory ~ the largest parameter). ``cpu_offload=True`` moves the values to CPU;
+    with ``full_state_dict=True`` only rank 0 keeps them and other ranks get ``{}`` (torch's rule), so rank 0's
+    host memory holds the model while no rank's device holds more than one extra parameter.
+    Tied parameters appear under each of their names (as in ``model.state_dict()``) and are gathered once.
+
+    Example::
+
+        sd = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)
+        if dist.get_rank() == 0:
+            torch.save(sd, "model.pt")
+    """
+    keep = not full_state_dict or _keep_full(cpu_offload)
+    cache: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            out[key] = value  # _extra_state
+            continue
+        t = _export(value, full_state_dict, cpu_offload, cache)
+        if keep:
+            out[key] = t
+    return out
+
+
+def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load ``state_dict`` (sharded or full form, or a mix) into ``model`` in place, all-or-nothing.
+
+    Every key, shape and dtype is checked first; on any problem a ``ValueError`` lists the first offending keys
+    and no parameter is touched. Full tensors are cut to each parameter's shard; DTensors on the parameter's
+    mesh are redistributed to its placements if needed. Values are copied into the existing local tensors
+    (FSDP's flat shard buffers stay intact). ``strict=False`` skips missing and unexpected keys.
+
+    Example::
+
+        set_model_state_dict(model, torch.load("model.pt", weights_only=True))
+    """
+    targets = model.state_dict(keep_vars=True)
+    problems = Problems("set_model_state_dict")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"set_model_state_dict: state_dict must be a mapping of FQN to tensor, got {type(state_dict)}")
+    if strict:
+        problems.missing(k for k in targets if k not in state_dict)
+        problems.unexpected(k for k in state_dict if k not in targets)
+    matched = 0
+    for key, target in targets.items():
+        if key in state_dict and isinstance(target, torch.Tensor):
+            matched += _check_tensor(problems, key, state_dict[key], target)
+    problems.raise_if_any(n_expected=len(targets), n_matched=matched)
+    with torch.no_grad():
+        for key, target in targets.items():
+            if key not in state_dict:
+                continue
+            if isinstance(target, torch.Tensor):
+                _copy_into(target, state_dict[key])
+            else:
+                _set_extra_state(model, key, state_dict[key])
+
+
+def _set_extra_state(model: nn.Module, key: str, value: Any) -> None:
+    module_name = key.rpartition(".")[0] if "." in key else ""
+    model.get_submodule(module_name).set_extra_state(value)
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+def _param_fqns(model: nn.Module) -> tuple[dict[int, str], dict[str, nn.Parameter]]:
+    """id(param) -> canonical FQN (the first name, as torch's named_parameters gives) and every name -> param."""
+    canonical: dict[int, str] = {}
+    by_name: dict[str, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+        by_name[name] = p
+    return canonical, by_name
+
+
+def _init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Create lazily-initialised state (e.g. Adam's exp_avg) with one zero-gradient, zero-lr step.
+
+    The same trick as torch's ``state_dict._init_optim_state``: without it a fresh optimizer has no state tensors
+    to load into. Parameters are unchanged (zero lr); gradients are reset to None afterwards.
+    """
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g[_PARAMS]]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = []
+    for group in optim.param_groups:
+        if "lr" in group:
+            lrs.append(group["lr"])
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optim.step()
+    for group in optim.param_groups:
+        if "lr" in group:
+            group["lr"] = lrs.pop(0)
+    optim.zero_grad(set_to_none=True)
+
+
+def _optim_fqns(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
+    canonical, _ = _param_fqns(model)
+    groups = []
+    for i, group in enumerate(optim.param_groups):
+        names = []
+        for j, p in enumerate(group[_PARAMS]):
+            if id(p) not in canonical:
+                raise ValueError(
+                    f"optimizer state dict: parameter {j} of param group {i} (shape {tuple(p.shape)}) is not a "
+                    f"parameter of {type(model).__name__}; pass the model whose parameters the optimizer updates"
+                )
+            names.append(canonical[id(p)])
+        groups.append(names)
+    return groups
+
+
+def get_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    full_state_dict: bool = False,
+    cpu_offload: bool = False,
+) -> dict[str, Any]:
+    """``optimizer``'s state keyed by parameter FQN: ``{"state": {fqn: {...}}, "param_groups": [...]}``.
+
+    Each group keeps its hyperparameters and lists its parameters by FQN. State tensors shaped like a DTensor
+    parameter (exp_avg, momentum_buffer, ...) are DTensors already; sharded form keeps them (sharing storage),
+    full form gathers them one at a time, with the same ``cpu_offload``/rank-0 rule as
+    :func:`get_model_state_dict`. A fresh optimizer gets its state created first (one zero-lr step on zero
+    gradients, as torch does), so the result can be loaded into. Frozen parameters never have state.
+
+    Example::
+
+        osd = get_optimizer_state_dict(model, optim)
+        osd["param_groups"][0]["params"]   # ['embed.weight', 'blocks.0.norm.weight', ...]
+    """
+    _init_optim_state(optimizer)
+    groups = _optim_fqns(model, optimizer)
+    keep = not full_state_dict or _keep_full(cpu_offload)
+    cache: dict[int, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for group, names in zip(optimizer.param_groups, groups):
+        for p, fqn in zip(group[_PARAMS], names):
+            if p not in optimizer.state:
+                continue
+            entry = {}
+            for k, v in optimizer.state[p].items():
+                entry[k] = _export(v, full_state_dict, cpu_offload, cache) if isinstance(v, torch.Tensor) else v
+            state[fqn] = entry
+    if not keep:
+        return {}
+    param_groups = []
+    for group, names in zip(optimizer.param_groups, groups):
+        g = {k: copy.deepcopy(v) for k, v in group.items() if k != _PARAMS}
+        g[_PARAMS] = list(names)
+        param_groups.append(g)
+    return {_STATE: state, _PG: param_groups}
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    optim_state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+) -> None:
+    """Load an FQN-keyed optimizer state (sharded or full form) into ``optimizer``, all-or-nothing.
+
+    The param groups must list the same parameters (by FQN, any order within a group) as the optimizer's;
+    their hyperparameters (lr, betas, weight_decay, ...) are taken from the state dict. Every state tensor is
+    checked against the optimizer's own (created first if the optimizer is fresh): same keys, global shapes
+    and dtypes. Only then are values copied in place (full tensors cut to the parameter's shard).
+
+    Example::
+
+        set_optimizer_state_dict(model, optim, osd)
+    """
+    problems = Problems("set_optimizer_state_dict")
+    if not isinstance(optim_state_dict, Mapping) or _STATE not in optim_state_dict or _PG not in optim_state_dict:
+        raise ValueError(
+            "set_optimizer_state_dict: expected {'state': {fqn: {...}}, 'param_groups': [...]} as returned by "
+            f"get_optimizer_state_dict, got {type(optim_state_dict).__name__} with keys "
+            f"{list(optim_state_dict)[:5] if isinstance(optim_state_dict, Mapping) else '-'}"
+        )
+    _init_optim_state(optimizer)
+    groups = _optim_fqns(model, optimizer)
+    _, by_name = _param_fqns(model)
+    saved_groups = list(optim_state_dict[_PG])
+    if len(saved_groups) != len(groups):
+        problems.add(f"{len(saved_groups)} param groups in the state dict, {len(groups)} in the optimizer")
+    else:
+        for i, (saved, names) in enumerate(zip(saved_groups, groups)):
+            saved_names = [str(n) for n in saved.get(_PARAMS, [])]
+            if sorted(saved_names) != sorted(names):
+                extra = sorted(set(saved_names) - set(names))[:3]
+                lacking = sorted(set(names) - set(saved_names))[:3]
+                problems.add(f"param group {i} lists other parameters (unexpected {extra}, missing {lacking})")
+    param_of = {name: by_name[name] for names in groups for name in names}
+    saved_state = optim_state_dict[_STATE]
+    expected_keys = 0
+    matched = 0
+    for fqn, p in param_of.items():
+        current = optimizer.state.get(p, {})
+        expected_keys += len(current)
+        saved = saved_state.get(fqn)
+        if saved is None:
+            if current and strict:
+                problems.missing([f"state.{fqn}"])
+            continue
+        for k, target in current.items():
+            key = f"state.{fqn}.{k}"
+            if k not in saved:
+                if strict:
+                    problems.missing([key])
+            elif isinstance(target, torch.Tensor):
+                matched += _check_tensor(problems, key, saved[k], target)
+        if strict:
+            problems.unexpected(f"state.{fqn}.{k}" for k in saved if k not in current)
+    if strict:
+        problems.unexpected(f"state.{fqn}" for fqn in saved_state if fqn not in param_of)
+    problems.raise_if_any(n_expected=expected_keys, n_matched=matched)
+
+    with torch.no_grad():
+        for fqn, p in param_of.items():
+            saved = saved_state.get(fqn)
+            if saved is None:
+                continue
+            current = optimizer.state[p]
+            for k, v in saved.items():
+                target = current.get(k)
+                if isinstance(target, torch.Tensor):
+                    _copy_into(target, v)
+                elif k in current or not strict:
+                    current[k] = copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v
+        if len(saved_groups) == len(groups):
+            for group, saved in zip(optimizer.param_groups, saved_groups):
+                for k, v in saved.items():
+                    if k != _PARAMS:
+                        group[k] = v

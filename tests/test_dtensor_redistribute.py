@@ -82,10 +82,13 @@ def check_pair(mesh, src, dst, shape, seed=0):
     y = x.redistribute(mesh, dst)
     assert y.placements == tuple(dst) and y.shape == full.shape, (src, dst)
     if not any(p.is_partial() for p in dst):
+        # Every rank's shard is the expected slice, so the global value is right (full_tensor is checked on
+        # partial targets below and throughout the other tests).
         want = expected_local(full, dst, mesh.shape, mesh.get_coordinate())
         assert y.to_local().shape == want.shape, (src, dst, shape)
         torch.testing.assert_close(y.to_local(), want, msg=lambda m: f"{src} -> {dst} on {shape}: {m}")
-    torch.testing.assert_close(y.full_tensor(), full, msg=lambda m: f"{src} -> {dst} on {shape} (full): {m}")
+    else:
+        torch.testing.assert_close(y.full_tensor(), full, msg=lambda m: f"{src} -> {dst} on {shape} (full): {m}")
     # The source is never mutated by the redistribution.
     assert torch.equal(x.to_local(), before)
 
@@ -140,7 +143,7 @@ def test_collective_counts_1d():
 
 
 TWO_D_SINGLE = [Shard(0), Shard(1), Replicate(), Partial("sum")]
-NESTED = [(Shard(0), Shard(0)), (StridedShard(0, split_factor=2), Shard(0)), (Shard(1), Shard(1))]
+NESTED = [(StridedShard(0, split_factor=2), Shard(0))]  # (Shard(d), Shard(d)) are in the product already
 
 
 @distributed(world_size=4)
@@ -150,7 +153,7 @@ def test_every_pair_2d():
     lists += [(Partial("max"), Shard(1)), (Shard(0), Partial("avg")), (Partial("min"), Partial("min"))]
     for src, dst in itertools.product(lists, lists):
         check_pair(mesh, src, dst, (7, 5))
-    some = [(Shard(0), Shard(1)), (Replicate(), Partial()), (Shard(1), Replicate()), *NESTED[:2]]
+    some = [(Shard(0), Shard(1)), (Replicate(), Partial()), (Shard(1), Replicate()), (Shard(0), Shard(0)), *NESTED]
     for shape in [(101, 48), (3, 2)]:
         for src, dst in itertools.product(some, some):
             check_pair(mesh, src, dst, shape)

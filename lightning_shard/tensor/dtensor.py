@@ -221,12 +221,12 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec, run_check: bool) -> DTensor:
         ctx.spec = spec
-        if run_check:
+        if run_check and any(p.is_replicate() for p in spec.placements):
             from lightning_shard import comm
 
+            local = local.clone(memory_format=torch.contiguous_format)  # one copy; never write the caller's
             for i, p in enumerate(spec.placements):
                 if p.is_replicate():
-                    local = local.clone()
                     comm.broadcast(local, 0, spec.mesh.get_group(i))
         # view_as keeps autograd's view tracking honest: the DTensor aliases the user's tensor.
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from lightning_shard import comm
 from lightning_shard.tensor._layout import chunk_range, local_range, shard_order
@@ -42,6 +41,7 @@ class _State:
         self.shape = spec.shape
         self.coord = spec.mesh.get_coordinate()
         self.mesh_shape = spec.mesh.shape
+        self.fresh = False  # whether self.local is a buffer this plan made (may be reduced in place)
 
     def lengths_along(self, mesh_dim: int, tensor_dim: int) -> list[int]:
         """Length along ``tensor_dim`` held by each rank of ``mesh_dim`` (this rank's other coordinates)."""
@@ -69,19 +69,24 @@ class _State:
         else:
             # One copy that drops the padding and puts dim d back, leaving a contiguous tensor.
             self.local = torch.cat([p[:n].movedim(0, d) for p, n in zip(out.split(chunk), lengths)], dim=d)
+        self.fresh = True
         self.placements[mesh_dim] = Replicate()
 
     def chunk(self, mesh_dim: int, placement: Placement) -> None:
         """Replicate -> Shard on ``mesh_dim``; it must become the last applied shard on its tensor dim."""
         d = placement.dim
         start, length = chunk_range(self.local.shape[d], self.mesh_shape[mesh_dim], self.coord[mesh_dim])
-        self.local = self.local.narrow(d, start, length).contiguous()
+        view = self.local.narrow(d, start, length)
+        self.local = view.contiguous()
+        self.fresh = self.fresh or self.local is not view
         self.placements[mesh_dim] = placement
 
     def all_reduce(self, mesh_dim: int) -> None:
         """Partial -> Replicate on ``mesh_dim``."""
         op = self.placements[mesh_dim].reduce_op
-        self.local = self.local.clone(memory_format=torch.contiguous_format)  # never mutate the source
+        if not self.fresh:
+            self.local = self.local.clone(memory_format=torch.contiguous_format)  # never mutate the source
+            self.fresh = True
         comm.all_reduce(self.local, self.mesh.get_group(mesh_dim), op)
         self.placements[mesh_dim] = Replicate()
 
@@ -92,13 +97,14 @@ class _State:
         size = self.local.shape[d]
         step = -(-size // n)
         x = self.local.movedim(d, 0)
-        if step * n != size:
-            x = F.pad(x.movedim(0, -1), (0, step * n - size)).movedim(-1, 0)
+        if step * n != size:  # pad at the end of dim d: one copy, contiguous
+            x = torch.cat([x, x.new_zeros((step * n - size, *x.shape[1:]))])
         x = x.contiguous()
         out = x.new_empty((step, *x.shape[1:]))
         comm.reduce_scatter_into(out, x, self.mesh.get_group(mesh_dim), op)
         _, length = chunk_range(size, n, self.coord[mesh_dim])
         self.local = out[:length].movedim(0, d).contiguous()
+        self.fresh = True
         self.placements[mesh_dim] = placement
 
     def all_to_all(self, mesh_dim: int, placement: Placement) -> None:
@@ -109,7 +115,10 @@ class _State:
         group = self.mesh.get_group(mesh_dim)
         rows_a = self.lengths_along(mesh_dim, a)  # what each peer holds along a
         pieces = [self.local.narrow(b, *chunk_range(self.local.shape[b], n, k)) for k in range(n)]
-        send = torch.cat([p.contiguous().flatten() for p in pieces])
+        if b == 0 and self.local.is_contiguous():
+            send = self.local.reshape(-1)  # the dim-0 pieces already sit one after the other: no copy
+        else:
+            send = torch.cat([p.reshape(-1) for p in pieces])
         my_b = chunk_range(self.local.shape[b], n, me)[1]
         recv_shapes = []
         for k in range(n):
@@ -119,13 +128,19 @@ class _State:
         recv_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
         recv = send.new_empty(sum(recv_sizes))
         comm.all_to_all_single(recv, send, recv_sizes, [p.numel() for p in pieces], group)
-        parts = [r.view(s) for r, s in zip(recv.split(recv_sizes), recv_shapes)]
-        self.local = torch.cat(parts, dim=a)
+        if a == 0:  # the received pieces stack along dim 0 in rank order: the buffer is the result
+            shape = list(self.local.shape)
+            shape[0], shape[b] = sum(rows_a), my_b
+            self.local = recv.view(shape)
+        else:
+            self.local = torch.cat([r.view(s) for r, s in zip(recv.split(recv_sizes), recv_shapes)], dim=a)
+        self.fresh = True
         self.placements[mesh_dim] = placement
 
     def replicate_to_partial(self, mesh_dim: int, placement: Partial) -> None:
         if placement.reduce_op == "sum" and self.coord[mesh_dim] != 0:
             self.local = torch.zeros_like(self.local)
+            self.fresh = True
         self.placements[mesh_dim] = placement
 
     # -- steps that respect nested shards -------------------------------------------------------------

@@ -1,1 +1,17 @@
-"""The Lightning strategy "shard_fsdp_tp" (built by the strategy issue on top of lightning_shard)."""
+"""The Lightning strategy "shard_fsdp_tp". Importing this package registers it (idempotently).
+
+Example::
+
+    import strategies
+    from lightning.pytorch import Trainer
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from strategies.precision import ShardedGradScaler, ShardPrecision
+from strategies.strategy import ShardFSDPTPStrategy
+
+ShardFSDPTPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ShardFSDPTPStrategy", "ShardPrecision", "ShardedGradScaler"]

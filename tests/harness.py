@@ -64,6 +64,7 @@ def _worker_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",  # with the above, Lightning sees a torchelastic-launched job and spawns nothing
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         # Ranks share 2 cores: one intra-op thread each keeps them from thrashing.

@@ -1,0 +1,153 @@
+"""Precision for "shard_fsdp_tp": Lightning's precision strings mapped onto FSDP's MixedPrecisionPolicy.
+
+=============  ==========================  ==============================================================
+precision      master weights              compute / gradient reduction
+=============  ==========================  ==============================================================
+"32-true"      fp32                        fp32 / fp32
+"bf16-mixed"   fp32                        bf16 (FSDP casts the gathered params and the inputs) / fp32
+"16-mixed"     fp32                        fp16 / fp32, loss scaled by a sharded gradient scaler
+"bf16-true"    bf16                        bf16 / fp32
+"16-true"      fp16                        fp16 / fp32
+=============  ==========================  ==============================================================
+
+Unlike Lightning's ``MixedPrecision`` plugin no autocast is used: FSDP's casts give bf16 compute with fp32
+master weights, as torch's FSDP2 recipes do.
+
+Example: ``Trainer(strategy="shard_fsdp_tp", precision="bf16-mixed")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from lightning_shard.fsdp import MixedPrecisionPolicy
+from lightning_shard.tensor import DTensor
+
+SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "32")
+
+_POLICIES = {
+    "32-true": MixedPrecisionPolicy(),
+    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "16-mixed": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+    "bf16-true": MixedPrecisionPolicy(reduce_dtype=torch.float32),
+    "16-true": MixedPrecisionPolicy(reduce_dtype=torch.float32),
+}
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose unscale works on sharded (DTensor) gradients: each rank unscales its shards and the
+    "found inf" flag is all-reduced, so every rank skips or takes the step together.
+
+    Example: ``ShardedGradScaler("cuda")`` (used by ``"16-mixed"``).
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found = torch.zeros(1, device=found_inf.device)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                if not torch.isfinite(g).all():
+                    found.fill_(1.0)
+                g.mul_(inv_scale.to(g.device))
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        found_inf.copy_(found.to(found_inf.device))
+        return {found_inf.device: found_inf}
+
+
+class ShardPrecision(Precision):
+    """Lightning precision plugin for "shard_fsdp_tp" (see the module docstring)."""
+
+    def __init__(self, precision: str, device: str = "cpu") -> None:
+        precision = "32-true" if precision == "32" else precision
+        if precision not in _POLICIES:
+            raise ValueError(f"shard_fsdp_tp: precision={precision!r} is not supported; use one of {sorted(_POLICIES)}")
+        self.precision = precision
+        self.scaler = ShardedGradScaler(device) if precision == "16-mixed" else None
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return _POLICIES[self.precision]
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        dtype = _TRUE_DTYPES.get(self.precision)
+        return module.to(dtype) if dtype is not None else module
+
+    def tensor_init_context(self):
+        dtype = _TRUE_DTYPES.get(self.precision)
+        return _default_dtype(dtype) if dtype is not None else nullcontext()
+
+    def module_init_context(self):
+        return self.tensor_init_context()
+
+    def convert_input(self, data: Any) -> Any:
+        dtype = _TRUE_DTYPES.get(self.precision)
+        if dtype is None:
+            return data
+
+        def cast(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return torch.utils._pytree.tree_map(cast, data)
+
+    def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        skipped = closure_result is None
+        if not model.automatic_optimization or not skipped:
+            step_output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return step_output
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
+        """One global norm over every gradient, sharded or plain (our mesh-aware clip_grad_norm_)."""
+        from lightning_shard.utils import clip_grad_norm_
+
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        clip_grad_norm_(params, clip_val)
+
+    def clip_grad_by_value(self, optimizer, clip_val: float) -> None:
+        """Clamp every gradient element; shards are clamped locally (no communication needed)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                    g.clamp_(-clip_val, clip_val)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+class _default_dtype:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self):
+        self.previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self.previous)

@@ -1,0 +1,365 @@
+"""ShardFSDPTPStrategy: ``Trainer(strategy="shard_fsdp_tp")`` shards any LightningModule with our engine.
+
+At setup the strategy builds a ``(data_parallel, tensor_parallel)`` mesh (``self.device_mesh`` on the
+LightningModule), runs ``configure_model`` (meta-device init welcome), applies tensor parallelism (auto
+plan) and ``fully_shard`` per block and on the root, materializes meta parameters shard by shard, and checks
+that no parameter can drift across ranks. A model the user already parallelized in ``configure_model`` is
+left as it is.
+
+Example::
+
+    import strategies  # registers "shard_fsdp_tp"
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="shard_fsdp_tp", precision="bf16-mixed")
+    trainer.fit(model)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+
+from lightning_shard.mesh import DeviceMesh, init_device_mesh
+from strategies import parallelize
+from strategies.precision import ShardPrecision
+
+_SHARDING = {
+    # FSDP1 name -> (hybrid?, reshard_after_forward, no_shard?)
+    "FULL_SHARD": (False, True, False),
+    "SHARD_GRAD_OP": (False, False, False),
+    "NO_SHARD": (False, False, True),
+    "HYBRID_SHARD": (True, True, False),
+    "_HYBRID_SHARD_ZERO2": (True, False, False),
+}
+
+
+class ShardFSDPTPStrategy(ParallelStrategy):
+    """FSDP x TP for Lightning on the ``lightning_shard`` engine. Every argument has a default.
+
+    Args:
+        data_parallel_size: ranks per data-parallel group; ``"auto"`` = world size / TP size.
+        tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice, or 1 without one).
+        fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
+        tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
+        reshard_after_forward: free gathered parameters after forward (overridden by ``sharding_strategy``).
+        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU.
+        state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file) for checkpoints.
+        sharding_strategy: FSDP1's names, so Lightning ``FSDPStrategy`` users switch by one string.
+        activation_checkpointing_policy: module classes whose forward is recomputed in backward.
+        process_group_backend, timeout, start_method: process-group and launcher settings.
+
+    Example: ``ShardFSDPTPStrategy(tensor_parallel_size=2, state_dict_type="full")``.
+    """
+
+    strategy_name = "shard_fsdp_tp"
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int | Literal["auto"] = 1,
+        fsdp_unit: str | set[type] | Callable[[nn.Module], bool] = "auto",
+        tp_plan: str | dict | None = "auto",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        sharding_strategy: str = "FULL_SHARD",
+        activation_checkpointing_policy: set[type] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn"] = "popen",
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        _check_choice("sharding_strategy", sharding_strategy, _SHARDING)
+        _check_choice("state_dict_type", state_dict_type, ("sharded", "full"))
+        _check_choice("start_method", start_method, ("popen", "spawn"))
+        _check_size("data_parallel_size", data_parallel_size)
+        _check_size("tensor_parallel_size", tensor_parallel_size)
+        self._data_parallel_size = data_parallel_size
+        self._tensor_parallel_size = tensor_parallel_size
+        self.fsdp_unit = fsdp_unit
+        self.tp_plan = tp_plan
+        self.sharding_strategy = sharding_strategy
+        hybrid, reshard, _ = _SHARDING[sharding_strategy]
+        self.reshard_after_forward = reshard_after_forward and reshard
+        self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+        self.parallel_summary: dict = {}
+
+    # ------------------------------------------------------------------ registry / properties
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="FSDP x TP on the lightning_shard engine")
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("shard_fsdp_tp: the device mesh exists only after the processes are set up")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning asks this of custom strategies to decide on the distributed sampler."""
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The sampler splits data over the data-parallel ranks only; TP ranks of one group see the same data."""
+        mesh = self.device_mesh
+        dp_dims = [n for n in mesh.mesh_dim_names if n != "tensor_parallel"]
+        sizes = [mesh.size(n) for n in dp_dims]
+        coords = [mesh.get_local_rank(n) for n in dp_dims]
+        rank = 0
+        for size, coord in zip(sizes, coords):
+            rank = rank * size + coord
+        return {"num_replicas": math.prod(sizes), "rank": rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # optimizer state can only be loaded into the sharded optimizer
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores it in place
+
+    @ParallelStrategy.precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        # Lightning hands us its generic plugin for the precision string; keep the string, use ours.
+        if plugin is not None and not isinstance(plugin, ShardPrecision):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            plugin = ShardPrecision(getattr(plugin, "precision", "32-true"), device)
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------ processes and mesh
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "spawn":
+            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+        else:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._device_mesh = self._build_mesh()
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _build_mesh(self) -> DeviceMesh:
+        world = self.world_size
+        tp = self._tensor_parallel_size
+        if tp == "auto":
+            tp = 1  # the memory planner picks it once it exists; FSDP alone until then
+        dp = world // tp if self._data_parallel_size == "auto" else self._data_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"shard_fsdp_tp: tensor_parallel_size={tp} does not divide the {world} devices; choose a divisor"
+            )
+        if dp * tp != world:
+            raise ValueError(
+                f"shard_fsdp_tp: data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} but the world "
+                f"size is {world}; make the product equal the number of devices (or use 'auto')"
+            )
+        device_type = self.root_device.type
+        hybrid, _, no_shard = _SHARDING[self.sharding_strategy]
+        if (hybrid or no_shard) and tp > 1:
+            raise ValueError(
+                f"shard_fsdp_tp: sharding_strategy={self.sharding_strategy!r} with tensor_parallel_size={tp} is not "
+                "supported; use FULL_SHARD or SHARD_GRAD_OP with tensor parallelism"
+            )
+        if no_shard:
+            return init_device_mesh(
+                device_type, (dp, 1, tp), mesh_dim_names=("replicate", "data_parallel", "tensor_parallel")
+            )
+        if hybrid:
+            per_node = max(1, self.num_processes)
+            replicas = dp // per_node if dp % per_node == 0 and dp > per_node else 1
+            return init_device_mesh(
+                device_type,
+                (replicas, dp // replicas, tp),
+                mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"),
+            )
+        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+    def _fsdp_mesh(self) -> DeviceMesh:
+        mesh = self.device_mesh
+        if "replicate" in mesh.mesh_dim_names:
+            return mesh["replicate", "data_parallel"]
+        return mesh["data_parallel"]
+
+    # ------------------------------------------------------------------ model setup
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init=True: build on meta; parameters are materialized shard by shard after sharding.
+        meta = torch.device("meta") if empty_init else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        model = self.model
+        if parallelize.is_parallelized(model):
+            rank_zero_info("shard_fsdp_tp: the model is already parallelized in configure_model; left as it is")
+        else:
+            self._parallelize(model)
+        self.model = model
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _parallelize(self, model: nn.Module) -> None:
+        model = self.precision_plugin.convert_module(model)
+        has_meta = any(p.is_meta for p in model.parameters())
+        if not has_meta:
+            model.to(self.root_device)
+            parallelize.broadcast_plain_model(model)
+        summary = parallelize.apply_parallelism(
+            model,
+            self.device_mesh,
+            fsdp_unit=self.fsdp_unit,
+            tp_plan=self.tp_plan,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.precision_plugin.mp_policy,
+            cpu_offload=self.cpu_offload,
+            fsdp_mesh=self._fsdp_mesh(),
+            activation_checkpointing_policy=self.activation_checkpointing_policy,
+        )
+        parallelize.materialize(model, self.root_device)
+        for buffer in model.buffers():
+            if buffer.device != self.root_device and not buffer.is_meta:
+                buffer.data = buffer.data.to(self.root_device)
+        parallelize.check_no_drift(model)
+        self.parallel_summary = summary
+        units = summary["fsdp_units"]
+        plan = summary["tp_plan"]
+        mesh = dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))
+        rank_zero_info(
+            f"shard_fsdp_tp: mesh {mesh}, precision {self.precision_plugin.precision}, FSDP units: "
+            f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {len(plan) if plan else 0} entries"
+        )
+
+    # The LightningModule is the root FSDP module, but Lightning calls training_step, not forward: route each
+    # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
+    def training_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+
+    def setup_optimizers(self, trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    def model_to_device(self) -> None:
+        pass  # parameters are placed by fully_shard; buffers in _parallelize
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group=None, sync_grads: bool = False) -> torch.Tensor:
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    def teardown(self) -> None:
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} is not one of {sorted(allowed)}")
+
+
+def _check_size(name: str, value) -> None:
+    if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} must be 'auto' or a positive int")

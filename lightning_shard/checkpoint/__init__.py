@@ -9,7 +9,7 @@ Example::
     set_optimizer_state_dict(model, opt, state["optimizer"])
 """
 
-from lightning_shard.checkpoint.consolidate import consolidate
+from lightning_shard.checkpoint._consolidate import consolidate
 from lightning_shard.checkpoint.save_load import load, save
 from lightning_shard.checkpoint.state_dict import (
     get_model_state_dict,

@@ -1,2 +1,264 @@
-def consolidate(*a, **k):
-    raise NotImplementedError
+"""Consolidate a sharded (DCP) checkpoint into one file, streaming one tensor at a time (CLI: consolidate.py).
+
+``consolidate(IN, OUT)`` writes a ``torch.save``-format file (a zip archive) that
+``torch.load(OUT, weights_only=True)`` reads, holding the same nested structure ``save`` was given, e.g.
+``{"model": {fqn: tensor}, "optimizer": {...}, "step": 3}``. ``safetensors=True`` writes the model weights
+only (``state["model"]`` if there is such an entry, else every tensor) as a ``.safetensors`` file.
+
+How it streams: the file's index is written first, from DCP's metadata alone (every tensor's global shape and
+dtype is known without reading data): for torch format the pickle ``data.pkl`` refers to storages by key, for
+safetensors the JSON header holds every offset. Then each tensor is read alone (``dcp.load`` of one key,
+without a process group), appended to the output, and freed. Peak memory is about the largest tensor plus
+twice its largest saved shard (torch's reader holds a shard's bytes and the shard while copying), independent
+of the model size.
+
+Example::
+
+    python -m lightning_shard.checkpoint.consolidate ckpts/step3 model.pt
+    python -m lightning_shard.checkpoint.consolidate ckpts/step3 model.safetensors --safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import os
+import pickle
+import struct
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_shard.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner
+from lightning_shard.checkpoint.save_load import check_checkpoint_dir
+
+__all__ = ["consolidate", "main"]
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class _Reader:
+    """Reads one key of a DCP directory at a time, in this process only (no process group needed)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.metadata: Metadata = SafeFileSystemReader(path).read_metadata()
+
+    def tensor(self, key: str) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        self._load({key: out})
+        return out
+
+    def value(self, key: str) -> Any:
+        holder: dict[str, Any] = {key: 0}  # placeholder (DCP skips None values); replaced by the loaded value
+        self._load(holder)
+        return holder[key]
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with warnings.catch_warnings():  # "no process group: assuming a single process" is exactly our intent
+            warnings.simplefilter("ignore", UserWarning)
+            self._load_quiet(state)
+
+    def _load_quiet(self, state: dict[str, Any]) -> None:
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(self.path),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+
+    def path_of(self, key: str) -> tuple:
+        return tuple(self.metadata.planner_data.get(key, (key,)))
+
+
+# ------------------------------------------------------------------------------------------------ torch format
+class _TensorRef:
+    """Stands for a tensor in the pickle; becomes ``_rebuild_tensor_v2(storage key ...)``."""
+
+    def __init__(self, storage_key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.storage_key, self.shape, self.dtype = storage_key, shape, dtype
+
+
+class _StorageRef:
+    def __init__(self, ref: _TensorRef) -> None:
+        self.ref = ref
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class _IndexPickler(pickle.Pickler):
+    """Pickles the object tree exactly as ``torch.save`` would, with tensors' data left to later records."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _TensorRef):
+            args = (_StorageRef(obj), 0, torch.Size(obj.shape), _contiguous_stride(obj.shape), False)
+            return torch._utils._rebuild_tensor_v2, (*args, collections.OrderedDict())
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            ref = obj.ref
+            storage_type = getattr(torch, torch.TypedStorage(dtype=ref.dtype, _internal=True)._pickle_storage_type())
+            numel = 1
+            for s in ref.shape:
+                numel *= s
+            return ("storage", storage_type, ref.storage_key, "cpu", numel)
+        return None
+
+
+def _tree(reader: _Reader, keys: list[str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The nested object with placeholders for tensors, and (storage key, DCP key) in write order."""
+    root: dict[str, Any] = {}
+    tensors: list[tuple[str, str]] = []
+    for key in keys:
+        md = reader.metadata.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            storage_key = str(len(tensors))
+            tensors.append((storage_key, key))
+            value: Any = _TensorRef(storage_key, tuple(md.size), md.properties.dtype)
+        else:
+            value = reader.value(key)  # small plain values, read with weights_only=True
+        set_element(root, reader.path_of(key), value)
+    return root, tensors
+
+
+def _write_torch(reader: _Reader, keys: list[str], out_file: str) -> None:
+    root, tensors = _tree(reader, keys)
+    buf = io.BytesIO()
+    _IndexPickler(buf, protocol=2).dump(root)
+    data = buf.getvalue()
+    writer = torch._C.PyTorchFileWriter(out_file)
+    # The records torch.save writes, in its order (see torch.serialization._save).
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", len("1"))
+    alignment = str(torch.serialization._get_storage_alignment())
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for storage_key, key in tensors:
+        t = reader.tensor(key)
+        storage = t.untyped_storage()
+        writer.write_record(f"data/{storage_key}", storage, storage.nbytes())
+        del t, storage  # one tensor at a time
+    writer.write_end_of_file()
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
+def _model_keys(reader: _Reader) -> list[tuple[str, str]]:
+    """(safetensors name, DCP key) of the model weights: the "model" entry if present, else every tensor."""
+    md = reader.metadata.state_dict_metadata
+    tensors = [k for k, v in md.items() if isinstance(v, TensorStorageMetadata)]
+    under_model = [k for k in tensors if reader.path_of(k)[0] == "model"]
+    if under_model:
+        return [(".".join(str(p) for p in reader.path_of(k)[1:]), k) for k in under_model]
+    return [(".".join(str(p) for p in reader.path_of(k)), k) for k in tensors]
+
+
+def _write_safetensors(reader: _Reader, out_file: str) -> None:
+    entries = _model_keys(reader)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, key in entries:
+        md = reader.metadata.state_dict_metadata[key]
+        if md.properties.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"consolidate: {key!r} has dtype {md.properties.dtype}, which safetensors cannot store")
+        nbytes = md.properties.dtype.itemsize
+        for s in md.size:
+            nbytes *= s
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[md.properties.dtype],
+            "shape": list(md.size),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(out_file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, key in entries:
+            t = reader.tensor(key)
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no extra copy
+            del t
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+def consolidate(
+    sharded_dir: str | os.PathLike,
+    out_file: str | os.PathLike,
+    *,
+    safetensors: bool = False,
+    require_marker: bool = True,
+) -> None:
+    """Write the checkpoint directory ``sharded_dir`` as one file ``out_file``, one tensor at a time.
+
+    Runs in one process (no process group, any machine that sees the directory). The output is written to
+    ``<out_file>.tmp`` and renamed when complete. See the module docstring for formats and memory.
+
+    Example::
+
+        consolidate("ckpts/step3", "step3.pt")
+        torch.load("step3.pt", weights_only=True)["model"]["embed.weight"]
+    """
+    sharded_dir = os.path.abspath(os.fspath(sharded_dir))
+    out_file = os.path.abspath(os.fspath(out_file))
+    check_checkpoint_dir(sharded_dir, require_marker=require_marker)
+    reader = _Reader(sharded_dir)
+    tmp = out_file + ".tmp"
+    try:
+        if safetensors:
+            _write_safetensors(reader, tmp)
+        else:
+            _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp)
+        os.replace(tmp, out_file)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m lightning_shard.checkpoint.consolidate IN OUT [--safetensors]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_shard.checkpoint.consolidate",
+        description="Consolidate a sharded lightning_shard/DCP checkpoint directory into one file, streaming.",
+    )
+    parser.add_argument("sharded_dir", help="checkpoint directory written by lightning_shard.checkpoint.save")
+    parser.add_argument("out_file", help="output file (torch.load(..., weights_only=True) format by default)")
+    parser.add_argument("--safetensors", action="store_true", help="write the model weights only, as safetensors")
+    parser.add_argument(
+        "--no-require-marker",
+        action="store_true",
+        help="accept a DCP directory without lightning_shard's completion marker (written by another tool)",
+    )
+    args = parser.parse_args(argv)
+    consolidate(
+        args.sharded_dir, args.out_file, safetensors=args.safetensors, require_marker=not args.no_require_marker
+    )
+    return 0

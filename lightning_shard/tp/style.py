@@ -1,0 +1,489 @@
+"""Parallel styles: how one module's parameters become DTensors and how its inputs/outputs are converted.
+
+Same names, arguments and defaults as ``torch.distributed.tensor.parallel`` (``input_layouts``,
+``output_layouts``, ``use_local_output``, ``desired_input_layouts``, ...), built on our DTensor. Each style
+has a ``_check`` (runs before any collective: module type, divisibility) and an ``_apply`` (distributes the
+parameters with ``src_data_rank`` semantics and installs forward hooks).
+
+Example::
+
+    parallelize_module(mlp, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+    "DivideAttributes",
+]
+
+
+class ParallelStyle:
+    """Base class: ``_check(fqn, module, tp_size)`` validates, ``_apply(module, mesh)`` rewrites the module.
+
+    ``planned_placements(module)`` tells ``parallelize_module`` which parameters the style distributes and
+    how, so tied parameters can be checked for consistency before any collective.
+    """
+
+    src_data_rank: int | None = 0
+
+    def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
+        return None
+
+    def planned_placements(self, module: nn.Module) -> dict[str, tuple[Placement, ...]]:
+        return {}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        raise NotImplementedError
+
+
+def _shard_params(module: nn.Module, placements: dict[str, tuple[Placement, ...]], mesh: DeviceMesh, src) -> None:
+    for name, pl in placements.items():
+        param = module._parameters.get(name)
+        if param is None or isinstance(param, DTensor):
+            continue  # already distributed (a tied parameter distributed through another module)
+        dt = distribute_tensor(param.detach(), mesh, pl, src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _type_name(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+def _check_divisible(style: str, fqn: str, module: nn.Module, what: str, size: int, tp_size: int) -> None:
+    if size % tp_size:
+        raise ValueError(
+            f"{style} on '{fqn}' ({_type_name(module)}): {what} {size} is not divisible by the tensor-parallel "
+            f"size {tp_size}; its shards would be uneven ({-(-size // tp_size)} and fewer), which a local tensor "
+            "passed between modules cannot describe. Choose sizes divisible by the TP size, or leave the module "
+            "out of the plan"
+        )
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    Why: ``DTensor.to_local``'s backward wraps the incoming local gradient with the forward tensor's global
+    (contiguous) strides, but a gradient coming back through ``transpose``/``matmul`` in the module's own
+    code can be laid out differently; a later ``view`` of that DTensor then fails on the local tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _local(x: DTensor) -> torch.Tensor:
+    """``x.to_local()`` for a module output handed to plain-tensor code."""
+    local = x.to_local()
+    return _DenseGrad.apply(local) if local.requires_grad else local
+
+
+def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> DTensor:
+    if isinstance(x, DTensor):
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor or DTensor module input, got {type(x).__name__}")
+    # Like torch: a plain tensor is this rank's shard of an evenly sharded (or replicated) global tensor.
+    return DTensor.from_local(x, mesh, (layout,), run_check=False)
+
+
+def _redistribute(x: DTensor, layout: Placement) -> DTensor:
+    return x if x.placements == _norm((layout,), x.ndim) else x.redistribute(x.device_mesh, (layout,))
+
+
+def _norm(placements: tuple[Placement, ...], ndim: int) -> tuple[Placement, ...]:
+    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
+
+
+class ColwiseParallel(ParallelStyle):
+    """Shard an ``nn.Linear`` on its output features (weight and bias ``Shard(0)``) or an ``nn.Embedding``
+    on its embedding dim (weight ``Shard(1)``). Input: ``input_layouts`` (default ``Replicate()``), turned
+    into ``Replicate()``; output ``Shard(-1)``, redistributed to ``output_layouts`` (default ``Shard(-1)``),
+    returned as a local tensor when ``use_local_output`` (default True).
+
+    Example: ``parallelize_module(m, tp_mesh, {"w1": ColwiseParallel()})``.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.input_layouts = (input_layouts or Replicate(),)
+        self.output_layouts = (output_layouts or Shard(-1),)
+        self.desired_input_layouts = (Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
+        name = type(self).__name__
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ValueError(
+                f"{name} on '{fqn}': module type {_type_name(module)} is not supported; {name} shards "
+                "nn.Linear and nn.Embedding (plan a parent module's children instead)"
+            )
+        # A local output sharded on the last dim is re-wrapped by the next module assuming even shards.
+        if self.use_local_output and self.output_layouts[0].is_shard():
+            if isinstance(module, nn.Linear):
+                _check_divisible(name, fqn, module, "out_features", module.out_features, tp_size)
+            else:
+                _check_divisible(name, fqn, module, "embedding_dim", module.embedding_dim, tp_size)
+
+    def planned_placements(self, module: nn.Module) -> dict[str, tuple[Placement, ...]]:
+        dim = 0 if isinstance(module, nn.Linear) else 1
+        return {n: (Shard(dim),) for n, p in module.named_parameters(recurse=False) if p is not None}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements = self.planned_placements(module)
+        src = self.src_data_rank
+
+        def prepare_input(mod, inputs, mesh):
+            x = _to_dtensor(inputs[0], mesh, self.input_layouts[0])
+            return (_redistribute(x, self.desired_input_layouts[0]), *inputs[1:])
+
+        def prepare_output(mod, out, mesh):
+            out = _redistribute(out, self.output_layouts[0])
+            return _local(out) if self.use_local_output else out
+
+        return distribute_module(
+            module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
+            prepare_output,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shard an ``nn.Linear`` on its input features (weight ``Shard(1)``, bias replicated; the output is a
+    ``Partial`` sum) or an ``nn.Embedding`` on its rows, i.e. the vocabulary (weight ``Shard(0)``: each rank
+    looks up the ids it holds). Input: ``input_layouts`` (default ``Shard(-1)``; a Linear wants ``Shard(-1)``,
+    an Embedding ``Replicate()``); output reduced to ``output_layouts`` (default ``Replicate()``: all-reduce;
+    ``Shard(1)``: reduce-scatter for sequence parallel).
+
+    Example: ``{"tok_embeddings": RowwiseParallel(input_layouts=Replicate()), "w2": RowwiseParallel()}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.input_layouts = (input_layouts or Shard(-1),)
+        self.output_layouts = (output_layouts or Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ValueError(
+                f"RowwiseParallel on '{fqn}': module type {_type_name(module)} is not supported; RowwiseParallel "
+                "shards nn.Linear and nn.Embedding (plan a parent module's children instead)"
+            )
+        # A Linear's sharded input arrives as a local tensor that is re-wrapped assuming even shards.
+        if isinstance(module, nn.Linear) and self.input_layouts[0].is_shard():
+            _check_divisible("RowwiseParallel", fqn, module, "in_features", module.in_features, tp_size)
+
+    def planned_placements(self, module: nn.Module) -> dict[str, tuple[Placement, ...]]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": (Shard(0),)}
+        out = {"weight": (Shard(1),)}
+        if module.bias is not None:
+            out["bias"] = (Replicate(),)
+        return out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements = self.planned_placements(module)
+        desired = Shard(-1) if isinstance(module, nn.Linear) else Replicate()
+        self.desired_input_layouts = (desired,)
+        src = self.src_data_rank
+
+        def prepare_input(mod, inputs, mesh):
+            x = _to_dtensor(inputs[0], mesh, self.input_layouts[0])
+            return (_redistribute(x, desired), *inputs[1:])
+
+        def prepare_output(mod, out, mesh):
+            out = _redistribute(out, self.output_layouts[0])
+            return _local(out) if self.use_local_output else out
+
+        return distribute_module(
+            module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
+            prepare_output,
+        )  # fmt: skip
+
+    __repr__ = ColwiseParallel.__repr__
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a norm (LayerNorm, RMSNorm, any module whose parameters have at most one dim) or a dropout on an
+    input sharded on ``sequence_dim`` (default 1); parameters are replicated. A plain-tensor input is taken
+    as this rank's sequence shard; a DTensor input is redistributed to ``Shard(sequence_dim)``. The output
+    stays sharded (a DTensor unless ``use_local_output``).
+
+    Example: ``{"layers.*.attention_norm": SequenceParallel()}``.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        self.sequence_sharding = (Shard(sequence_dim),)
+        self.use_local_output = use_local_output
+
+    def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
+        big = [n for n, p in module.named_parameters() if p.ndim > 1]
+        if big:
+            raise ValueError(
+                f"SequenceParallel on '{fqn}': module type {_type_name(module)} is not supported; it has "
+                f"parameters with more than one dim ({big}). SequenceParallel is for norms and dropout"
+            )
+
+    def planned_placements(self, module: nn.Module) -> dict[str, tuple[Placement, ...]]:
+        return {n: (Replicate(),) for n, _ in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        src = self.src_data_rank
+
+        def replicate(name, mod, mesh):
+            _shard_params(mod, {n: (Replicate(),) for n, _ in mod.named_parameters(recurse=False)}, mesh, src)
+
+        def prepare_input(mod, inputs, mesh):
+            x = inputs[0]
+            if isinstance(x, DTensor):
+                return (_redistribute(x, self.sequence_sharding[0]), *inputs[1:])
+            return (_to_dtensor(x, mesh, self.sequence_sharding[0]), *inputs[1:])
+
+        def prepare_output(mod, out, mesh):
+            return _local(out) if self.use_local_output else out
+
+        return distribute_module(module, device_mesh, replicate, prepare_input, prepare_output)
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, use_local_output={self.use_local_output})"
+        )
+
+
+def _as_tuple(layouts):
+    return (layouts,) if isinstance(layouts, Placement) else layouts
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Convert a module's inputs to DTensors with ``input_layouts`` (``None`` leaves an input alone) and
+    redistribute them to ``desired_input_layouts``; the same per keyword with ``input_kwarg_layouts`` /
+    ``desired_input_kwarg_layouts``. Returns local tensors when ``use_local_output`` (default False).
+    Positional inputs beyond ``input_layouts`` pass through unchanged (torch raises instead), so a plan can
+    name only the leading activation of a module that takes extra arguments.
+
+    Example: ``{"attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | Sequence[Placement | None] | None = None,
+        desired_input_layouts: Placement | Sequence[Placement | None] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = False,
+    ) -> None:
+        self.input_layouts = _as_tuple(input_layouts)
+        self.desired_input_layouts = _as_tuple(desired_input_layouts)
+        self.use_local_output = use_local_output
+        if self.input_layouts is not None and (
+            self.desired_input_layouts is None or len(self.input_layouts) != len(self.desired_input_layouts)
+        ):
+            raise ValueError(
+                f"PrepareModuleInput: input_layouts {self.input_layouts} and desired_input_layouts "
+                f"{self.desired_input_layouts} must have the same length"
+            )
+        self.with_kwargs = input_kwarg_layouts is not None
+        self.input_kwarg_layouts = input_kwarg_layouts or {}
+        self.desired_input_kwarg_layouts = desired_input_kwarg_layouts or {}
+
+    def _prepare(self, x, mesh, layout, desired):
+        if layout is None or not isinstance(x, torch.Tensor):
+            return x
+        dt = _to_dtensor(x, mesh, layout)
+        if desired is not None:
+            dt = _redistribute(dt, desired)
+        return _local(dt) if self.use_local_output else dt
+
+    def _prepare_args(self, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        if self.input_layouts is None:
+            return inputs
+        head = [
+            self._prepare(x, mesh, lay, des)
+            for x, lay, des in zip(inputs, self.input_layouts, self.desired_input_layouts)
+        ]
+        return (*head, *inputs[len(head) :])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.with_kwargs:
+
+            def hook(mod, args, kwargs):
+                kwargs = {
+                    k: self._prepare(
+                        v, device_mesh, self.input_kwarg_layouts.get(k), self.desired_input_kwarg_layouts.get(k)
+                    )
+                    for k, v in kwargs.items()
+                }
+                return self._prepare_args(args, device_mesh), kwargs
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+        else:
+            module.register_forward_pre_hook(lambda mod, args: self._prepare_args(args, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"PrepareModuleInput(input_layouts={self.input_layouts}, desired_input_layouts="
+            f"{self.desired_input_layouts}, input_kwarg_layouts={self.input_kwarg_layouts}, "
+            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, use_local_output={self.use_local_output})"
+        )
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Convert a module's outputs to DTensors with ``output_layouts`` (``None`` leaves an output alone) and
+    redistribute them to ``desired_output_layouts``; local tensors when ``use_local_output`` (default True).
+
+    Example: ``{"layers.3": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Placement | Sequence[Placement | None],
+        desired_output_layouts: Placement | Sequence[Placement | None],
+        use_local_output: bool = True,
+    ) -> None:
+        self.output_layouts = _as_tuple(output_layouts)
+        self.desired_output_layouts = _as_tuple(desired_output_layouts)
+        self.use_local_output = use_local_output
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError(
+                f"PrepareModuleOutput: output_layouts {self.output_layouts} and desired_output_layouts "
+                f"{self.desired_output_layouts} must have the same length"
+            )
+
+    def _prepare(self, outputs, mesh: DeviceMesh):
+        single = not isinstance(outputs, tuple)
+        outs = (outputs,) if single else outputs
+        if len(outs) != len(self.output_layouts):
+            raise ValueError(
+                f"PrepareModuleOutput: the module returned {len(outs)} outputs but output_layouts has "
+                f"{len(self.output_layouts)} entries"
+            )
+        result = []
+        for out, lay, des in zip(outs, self.output_layouts, self.desired_output_layouts):
+            if lay is None:
+                result.append(out)
+                continue
+            dt = _to_dtensor(out, mesh, lay)
+            if des is not None:
+                dt = _redistribute(dt, des)
+            result.append(_local(dt) if self.use_local_output else dt)
+        return result[0] if single else tuple(result)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, inputs, outputs: self._prepare(outputs, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"PrepareModuleOutput(output_layouts={self.output_layouts}, desired_output_layouts="
+            f"{self.desired_output_layouts}, use_local_output={self.use_local_output})"
+        )
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """``PrepareModuleInput`` and ``PrepareModuleOutput`` on one module (torch's name and arguments).
+
+    Example: ``PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+    output_layouts=Replicate(), desired_output_layouts=Shard(1))``.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        desired_input_layouts=None,
+        input_kwarg_layouts=None,
+        desired_input_kwarg_layouts=None,
+        use_local_input: bool = False,
+        output_layouts,
+        desired_output_layouts,
+        use_local_output: bool = True,
+    ) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module
+
+
+class DivideAttributes(ParallelStyle):
+    """Divide integer attributes of a module by the TP size, so a forward that reshapes with them (e.g.
+    ``q.view(B, T, self.n_heads, self.head_dim)`` after a column-sharded projection) sees the local count.
+    Not a torch style: ``auto_tp_plan`` emits it for attention modules. Each attribute must be divisible.
+
+    Example: ``{"layers.*.attn": DivideAttributes(("n_heads", "n_kv_heads"))}``.
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+
+    def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
+        for name in self.names:
+            value = getattr(module, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(
+                    f"DivideAttributes on '{fqn}' ({_type_name(module)}): attribute {name!r} is {value!r}, not an int"
+                )
+            if value % tp_size:
+                raise ValueError(
+                    f"DivideAttributes on '{fqn}' ({_type_name(module)}): {name} {value} is not divisible by "
+                    f"the tensor-parallel size {tp_size}"
+                )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            setattr(module, name, getattr(module, name) // device_mesh.size())
+        return module
+
+    def __repr__(self) -> str:
+        return f"DivideAttributes({self.names})"

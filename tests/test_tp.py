@@ -301,3 +301,25 @@ def test_bad_input_raises_before_any_collective():
     raises(gpt, {"transformer.wte": ColwiseParallel(), "lm_head": head}, "tied", "lm_head.weight")
     with pytest.raises(ValueError, match="1-D"):
         auto_tp_plan(llama, mesh_2d)
+
+
+@distributed(world_size=4)
+def test_fsdp_over_tp_llama_2x2_matches_single_process():
+    from lightning_shard.fsdp import fully_shard
+
+    root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tp_mesh, dp_mesh = root["tensor_parallel"], root["data_parallel"]
+    for sp, lp in ((False, False), (True, True)):
+        torch.manual_seed(0)
+        model = tp_models.Llama()
+        ref = copy.deepcopy(model)
+        batches = _batches()  # every data-parallel rank sees the same batch: averaged gradients equal ref's
+        ref_losses = _train(ref, _lm_loss, batches)
+        parallelize_module(model, tp_mesh, auto_tp_plan(model, tp_mesh, sequence_parallel=sp, loss_parallel=lp))
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        reset_fallback_counts()
+        losses = _train(model, _lm_loss, batches, lp=lp)
+        _assert_same(model, ref, losses, ref_losses, ("fsdp x tp", sp, lp))
+        assert fallback_counts() == {}, (sp, lp, fallback_counts())

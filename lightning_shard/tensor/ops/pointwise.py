@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.ops._common import REPLICATE
 from lightning_shard.tensor.ops._registry import RULES, OpCall, Plan
 from lightning_shard.tensor.placements import Partial, Placement, Shard, StridedShard
@@ -29,6 +30,17 @@ _SCALAR_LINEAR = {
     aten.neg.default,
     aten.neg_.default,
     aten.zero_.default,
+}
+# Adding a constant commutes with an average (avg(x_k + c) = avg(x_k) + c), not with a sum.
+_AVG_SHIFTS = {
+    aten.add.Scalar,
+    aten.add_.Scalar,
+    aten.sub.Scalar,
+    aten.sub_.Scalar,
+    aten.add.Tensor,
+    aten.add_.Tensor,
+    aten.sub.Tensor,
+    aten.sub_.Tensor,
 }
 _COPIES = {
     aten.clone.default,
@@ -58,9 +70,11 @@ def _partial_ok(call: OpCall, partials: list[Partial], position_of_partial: list
         return False
     if func in _SCALAR_LINEAR:
         return True
+    if op == "avg" and func in _AVG_SHIFTS and len(call.specs) == 1:
+        return True  # e.g. rms_norm's mean(x^2) + eps on a tensor sharded along the normalized dim
     if func in _ADDITIVE:
-        # every tensor operand must be a DTensor: a plain scalar tensor would be added once per rank
-        return len(_tensor_args(call)) == len(call.specs)
+        # both operands must be DTensors: a plain scalar (number or 0-dim tensor) would be added once per rank
+        return all(isinstance(a, DTensor) for a in call.args[:2])
     if func in _MULTIPLICATIVE:
         if len(position_of_partial) != 1:
             return False
@@ -79,7 +93,7 @@ def pointwise_rule(call: OpCall) -> Plan:
         here = [s.placements[i] for s in specs]
         choice = _choose(call, here, out_shape, inplace)
         for j, s in enumerate(specs):
-            inputs[j].append(_input_placement(choice, s, here[j], out_shape))
+            inputs[j].append(_input_placement(choice, s, here[j], out_shape, call.func))
         outputs.append(choice)
     return Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
 
@@ -107,14 +121,17 @@ def _choose(call: OpCall, here: list[Placement], out_shape, inplace: bool) -> Pl
     return REPLICATE
 
 
-def _input_placement(choice: Placement, spec, current: Placement, out_shape) -> Placement:
+def _input_placement(choice: Placement, spec, current: Placement, out_shape, func=None) -> Placement:
     if choice.is_shard():
         d = choice.dim - (len(out_shape) - spec.ndim)
         if d >= 0 and spec.shape[d] == out_shape[choice.dim]:
             return _with_dim(choice, d)
         return REPLICATE
     if choice.is_partial():
-        return current if current.is_partial() else choice  # replicated operands become partial terms
+        if current.is_partial():
+            return current
+        # replicated operands become partial terms of a sum, but stay whole as factors/divisors of mul/div
+        return choice if func in _ADDITIVE or func in _COPIES else REPLICATE
     return REPLICATE
 
 
@@ -126,7 +143,7 @@ def _with_dim(p: Placement, dim: int) -> Placement:
 
 
 def _register_all() -> None:
-    explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | {aten.fill_.Scalar}
+    explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | _AVG_SHIFTS | {aten.fill_.Scalar}
     for op in explicit:
         RULES[op] = pointwise_rule
     for name in dir(aten):

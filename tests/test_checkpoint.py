@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -15,6 +16,7 @@ from lightning_shard.checkpoint import (
     set_optimizer_state_dict,
 )
 from lightning_shard.fsdp import fully_shard
+from lightning_shard.tensor import DTensor, Replicate, Shard
 from tests.fsdp_models import batches, full_state, loss_fn, make_model, make_optimizer, rank_slice
 from tests.harness import distributed
 
@@ -39,10 +41,13 @@ def _fsdp(model, mesh):
 
 
 def _dp_coords(mesh):
-    """(rank, world) of this rank's data shard: HSDP splits the batch over both mesh dims."""
+    """(rank, world) of this rank's data shard: HSDP splits the batch over both mesh dims; a 1-D DP mesh that is
+    a slice of a bigger world splits it over its own ranks only (its replicas see the same data)."""
     if mesh is None:
         return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    if mesh.ndim == 2:
+        return dist.get_rank(), dist.get_world_size()
+    return mesh.get_local_rank(), mesh.size()
 
 
 def _steps(model, opt, data, mesh):
@@ -51,8 +56,6 @@ def _steps(model, opt, data, mesh):
         loss = loss_fn(model, rank_slice(x, rank, world), rank_slice(y, rank, world))
         opt.zero_grad()
         loss.backward()
-        if mesh is None and dist.is_initialized():  # plain replicated model: every rank uses the full batch
-            pass
         opt.step()
 
 
@@ -105,3 +108,197 @@ def test_round_trip_fsdp_and_plain_bitwise(tmp_path):
     _round_trip(tmp, sharded=True, optim="adamw")
     _round_trip(tmp, sharded=True, optim="sgd")
     _round_trip(tmp, sharded=False, optim="adamw")
+
+
+def _full_optim(model, opt):
+    osd = get_optimizer_state_dict(model, opt, full_state_dict=True)
+    return {f"{fqn}.{k}": v for fqn, st in osd["state"].items() for k, v in st.items()}
+
+
+def _snapshot(model, opt):
+    return {**{f"p.{k}": v.clone() for k, v in full_state(model).items()}, **_full_optim(model, opt)}
+
+
+def _assert_unchanged(before, model, opt):
+    after = _snapshot(model, opt)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), f"{k} changed by a failed load"
+
+
+@distributed(world_size=2)
+def test_full_state_dict_rank0_and_set_from_full(tmp_path):
+    mesh = _mesh()
+    model = _fsdp(make_model(), mesh)
+    opt = make_optimizer(model, 0.1, "adamw")
+    _steps(model, opt, batches(2, 4), mesh)
+    full = get_model_state_dict(model, full_state_dict=True)
+    ref = make_model()
+    assert full.keys() == ref.state_dict().keys()  # tied head.weight/embed.weight both present, buffer too
+    for k, v in full.items():
+        assert not isinstance(v, DTensor) and v.shape == ref.state_dict()[k].shape, k
+    sharded = get_model_state_dict(model)
+    assert isinstance(sharded["embed.weight"], DTensor) and sharded["embed.weight"].placements == (Shard(0),)
+    assert sharded["embed.weight"]._local_tensor.data_ptr() == model.embed.weight._local_tensor.data_ptr()
+    offl = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)
+    assert (offl.keys() == full.keys()) if dist.get_rank() == 0 else offl == {}
+    fosd = get_optimizer_state_dict(model, opt, full_state_dict=True)
+    assert fosd["param_groups"][0]["params"][0] == "embed.weight" and "frozen.weight" not in fosd["state"]
+    assert not isinstance(fosd["state"]["embed.weight"]["exp_avg"], DTensor)
+
+    # A fresh sharded model and optimizer take the full forms (cut to each shard, in place).
+    fresh = _fsdp(make_model(seed=3), mesh)
+    opt2 = make_optimizer(fresh, 0.1, "adamw")
+    locals_before = {n: p._local_tensor.data_ptr() for n, p in fresh.named_parameters()}
+    set_model_state_dict(fresh, full)
+    set_optimizer_state_dict(fresh, opt2, fosd)
+    assert {n: p._local_tensor.data_ptr() for n, p in fresh.named_parameters()} == locals_before
+    _assert_params_equal(full_state(fresh), full_state(model))
+    mine, theirs = _full_optim(fresh, opt2), _full_optim(model, opt)
+    _assert_params_equal(mine, theirs)
+    # Param groups with different hyperparameters, and a plain (unsharded) model from the full form.
+    plain = make_model(seed=4)
+    plain.load_state_dict(full)
+    _assert_params_equal(full_state(plain), full_state(model))
+
+
+@distributed(world_size=2)
+def test_bad_input_is_all_or_nothing(tmp_path):
+    tmp = _shared_dir(tmp_path)
+    mesh = _mesh()
+    model = _fsdp(make_model(), mesh)
+    opt = make_optimizer(model, 0.1, "adamw")
+    _steps(model, opt, batches(1, 4), mesh)
+    path = os.path.join(tmp, "good")
+    save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}, path)
+
+    target = _fsdp(make_model(seed=9), mesh)
+    topt = make_optimizer(target, 0.1, "adamw")
+    before = _snapshot(target, topt)
+
+    def state():
+        return {"model": get_model_state_dict(target), "optimizer": get_optimizer_state_dict(target, topt)}
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(state(), os.path.join(tmp, "nowhere"))
+    os.makedirs(os.path.join(tmp, "empty"), exist_ok=True)
+    with pytest.raises(ValueError, match="no DCP '.metadata'"):
+        load(state(), os.path.join(tmp, "empty"))
+    # Another model (3 blocks, different shapes): named as such, nothing loaded.
+    other = _fsdp(make_model(n_blocks=3), mesh)
+    oopt = make_optimizer(other, 0.1, "adamw")
+    with pytest.raises(ValueError, match="missing keys") as err:
+        load({"model": get_model_state_dict(other)}, path)
+    assert "blocks.2" in str(err.value)
+    bigger = fully_shard(torch.nn.Sequential(torch.nn.Linear(3, 4)), mesh=mesh)
+    with pytest.raises(ValueError, match="another model"):
+        load({"model": get_model_state_dict(bigger)}, path)
+    del oopt
+    # Shape and dtype mismatches, in set_model_state_dict and in load.
+    full = get_model_state_dict(model, full_state_dict=True)
+    bad_shape = dict(full, **{"blocks.0.up.weight": torch.zeros(5, 5)})
+    with pytest.raises(ValueError, match=r"blocks\.0\.up\.weight.*shape \(48, 16\).*shape \(5, 5\)"):
+        set_model_state_dict(target, bad_shape)
+    bad_dtype = dict(full, **{"norm.bias": full["norm.bias"].double()})
+    with pytest.raises(ValueError, match="float64"):
+        set_model_state_dict(target, bad_dtype)
+    missing = {k: v for k, v in full.items() if k != "norm.weight"}
+    with pytest.raises(ValueError, match="1 missing keys: norm.weight"):
+        set_model_state_dict(target, missing)
+    with pytest.raises(ValueError, match="unexpected keys: extra"):
+        set_model_state_dict(target, dict(full, extra=torch.zeros(1)))
+    st = state()
+    st["model"]["blocks.1.down.bias"] = torch.zeros(3)  # plain tensor of the wrong shape
+    with pytest.raises(ValueError, match="blocks.1.down.bias"):
+        load(st, path)
+    fosd = get_optimizer_state_dict(model, opt, full_state_dict=True)
+    fosd["state"]["embed.weight"]["exp_avg"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="exp_avg"):
+        set_optimizer_state_dict(target, topt, fosd)
+    _assert_unchanged(before, target, topt)
+    # strict=False loads what matches.
+    set_model_state_dict(target, missing, strict=False)
+    assert torch.equal(target.embed.weight.full_tensor(), model.embed.weight.full_tensor())
+
+
+@distributed(world_size=2)
+def test_torch_interop_both_ways(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    tmp = _shared_dir(tmp_path)
+    mesh = _mesh()
+    data = batches(2, 4)
+    # (a) ours -> torch.distributed.checkpoint into a plain, unsharded torch model.
+    model = _fsdp(make_model(), mesh)
+    opt = make_optimizer(model, 0.1, "adamw")
+    _steps(model, opt, data, mesh)
+    path = os.path.join(tmp, "ours")
+    save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}, path)
+    plain = make_model(seed=5)
+    sd = plain.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=path)
+    plain.load_state_dict(sd)
+    _assert_params_equal(full_state(plain), full_state(model))
+
+    # (b) torch FSDP2 + get_state_dict + dcp.save -> our load into our sharded model and optimizer.
+    theirs = make_model()
+    for block in theirs.blocks:
+        torch_fully_shard(block, mesh=mesh.to_torch())
+    torch_fully_shard(theirs, mesh=mesh.to_torch())
+    topt = make_optimizer(theirs, 0.1, "adamw")
+    _steps(theirs, topt, data, mesh)
+    msd, osd = get_state_dict(theirs, topt)
+    tpath = os.path.join(tmp, "theirs")
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tpath)
+    ours = _fsdp(make_model(seed=6), mesh)
+    oopt = make_optimizer(ours, 0.1, "adamw")
+    state = {"model": get_model_state_dict(ours), "optimizer": get_optimizer_state_dict(ours, oopt)}
+    with pytest.raises(ValueError, match="completion marker"):
+        load(state, tpath)
+    load(state, tpath, require_marker=False)
+    set_model_state_dict(ours, state["model"])
+    set_optimizer_state_dict(ours, oopt, state["optimizer"])
+    _assert_params_equal(full_state(ours), full_state(theirs))
+    tfull = {
+        f"{fqn}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v)
+        for fqn, s in osd["state"].items()
+        for k, v in s.items()
+    }
+    _assert_params_equal(_full_optim(ours, oopt), tfull)
+
+
+# ---------------------------------------------------------------------------------------------- 4 ranks
+def _meshes():
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("data_parallel",))
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "data_parallel"))
+    one = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "data_parallel"))["data_parallel"]
+    return {"DP=1": one, "DP=2": hsdp["data_parallel"], "DP=4": world, "HSDP 2x2": hsdp}
+
+
+@distributed(world_size=4)
+def test_reshard_matrix(tmp_path):
+    tmp = _shared_dir(tmp_path)
+    meshes = _meshes()
+    data = batches(2, 4)
+    plan = {"DP=2": ["DP=1", "DP=4", "HSDP 2x2"], "DP=4": ["DP=2"], "HSDP 2x2": ["DP=1", "DP=2"]}
+    for src, dsts in plan.items():
+        model = _fsdp(make_model(), meshes[src])
+        opt = make_optimizer(model, 0.1, "adamw")
+        _steps(model, opt, data, meshes[src])
+        path = os.path.join(tmp, src.replace(" ", "_").replace("=", ""))
+        save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}, path)
+        expected = _snapshot(model, opt)
+        for dst in dsts:
+            fresh = _fsdp(make_model(seed=11), meshes[dst])
+            fopt = make_optimizer(fresh, 0.1, "adamw")
+            state = {"model": get_model_state_dict(fresh), "optimizer": get_optimizer_state_dict(fresh, fopt)}
+            load(state, path)
+            set_optimizer_state_dict(fresh, fopt, state["optimizer"])
+            placements = fresh.embed.weight.placements
+            assert placements == ((Replicate(), Shard(0)) if dst == "HSDP 2x2" else (Shard(0),)), dst
+            got = _snapshot(fresh, fopt)
+            assert got.keys() == expected.keys()
+            for k in got:
+                assert torch.equal(got[k], expected[k]), f"{src} -> {dst}: {k}"

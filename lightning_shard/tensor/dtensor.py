@@ -258,7 +258,9 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
-        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, spec.stride, grad.dtype)
+        # The gradient's memory layout may differ from the forward tensor's (e.g. it comes from a transpose):
+        # the global strides must describe the gradient's own layout, or a later view of it fails.
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, _global_stride(grad, spec.shape), grad.dtype)
         return DTensor(grad, grad_spec, requires_grad=False), None
 
 

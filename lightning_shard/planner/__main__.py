@@ -1,0 +1,81 @@
+"""CLI: ``python -m lightning_shard.planner path.to.module:model_factory --devices 8 --memory 80GB ...``.
+
+The factory is called under ``torch.device("meta")``: nothing is allocated. Prints the table of meshes and
+the choice; exits with status 1 and the planner's message when nothing fits.
+
+Example::
+
+    python -m lightning_shard.planner my_project.models:build_llama --devices 16 --devices-per-node 8 \\
+        --memory 80GB --precision bf16-mixed --batch 8 --seq-len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import torch
+
+from lightning_shard.planner.estimate import format_bytes
+from lightning_shard.planner.plan import parse_bytes, plan
+
+
+def _load(spec: str):
+    module, _, name = spec.partition(":")
+    if not name:
+        raise SystemExit(f"planner: expected 'package.module:factory', got {spec!r}")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_shard.planner", description=__doc__.split("\n")[0])
+    parser.add_argument("factory", help="package.module:callable returning the model (built on the meta device)")
+    parser.add_argument("--devices", type=int, required=True, help="world size (all devices)")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="default: --devices (one node)")
+    parser.add_argument("--memory", required=True, help="memory per device, e.g. 80GB, 24GiB")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--batch", type=int, required=True, help="micro-batch per data-parallel rank")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-nomomentum"])
+    parser.add_argument("--safety-margin", type=float, default=0.1)
+    parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--no-reshard-after-forward", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the table rows as JSON too")
+    args = parser.parse_args(argv)
+    factory = _load(args.factory)
+    with torch.device("meta"):
+        model = factory()
+    try:
+        result = plan(
+            model,
+            args.devices,
+            args.devices_per_node or args.devices,
+            parse_bytes(args.memory),
+            precision=args.precision,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            safety_margin=args.safety_margin,
+            cpu_offload=args.cpu_offload,
+            reshard_after_forward=not args.no_reshard_after_forward,
+            optimizer=args.optimizer,
+        )
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    print(result.table)
+    dp, tp = result.choice.mesh
+    print(f"choice: data_parallel_size={dp}, tensor_parallel_size={tp} "
+          f"({format_bytes(result.choice.estimate.device_total)} per device)")  # fmt: skip
+    print(result.choice.estimate.summary())
+    if args.json:
+        print(json.dumps(result.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,10 +15,14 @@ Example::
 
 from __future__ import annotations
 
+import io
 import math
+import os
+import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -38,9 +42,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
+from lightning_shard.checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load,
+    save,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from strategies import parallelize
 from strategies.precision import ShardPrecision
+
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
 _SHARDING = {
     # FSDP1 name -> (hybrid?, reshard_after_forward, no_shard?)
@@ -322,6 +336,82 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         pass  # parameters are placed by fully_shard; buffers in _parallelize
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: our DTensors (each rank its shards). Full: plain tensors on rank 0, gathered one at a time."""
+        full = self.state_dict_type == "full"
+        return get_model_state_dict(self.model, full_state_dict=full, cpu_offload=full)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name (not index), sharded or full like the model."""
+        full = self.state_dict_type == "full"
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.model, optimizer, full_state_dict=full, cpu_offload=full)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # load_checkpoint loads the model in place
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # load_checkpoint loads the optimizers in place
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options=None) -> None:
+        """Sharded: a DCP directory (model under "state_dict", optimizers under "optimizer_{i}", the rest of
+        Lightning's checkpoint in ``meta.pt``), published atomically. Full: one file written by rank 0 to a
+        temporary name and renamed, so a crash never leaves a half-written checkpoint under ``filepath``."""
+        if storage_options is not None:
+            raise TypeError("shard_fsdp_tp: save_checkpoint(storage_options=...) is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        if self.state_dict_type == "sharded":
+            state = {"state_dict": checkpoint.pop("state_dict")}
+            for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+                state[f"optimizer_{i}"] = optim_state
+            meta = io.BytesIO()
+            torch.save(checkpoint, meta)
+            if path.is_file():
+                raise ValueError(f"shard_fsdp_tp: {path} is a file; a sharded checkpoint is a directory")
+            save(state, path, extra_files={META_FILE: meta.getvalue()})
+        elif self.global_rank == 0:
+            if path.is_dir():
+                raise IsADirectoryError(f"shard_fsdp_tp: {path} is a directory; a full checkpoint is one file")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, path)
+        self.barrier("save_checkpoint")
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.global_rank == 0:
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded directory or a full file (ours or consolidated) into the sharded model and
+        optimizers, whatever mesh it was saved on; returns the rest of Lightning's checkpoint."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        strict = self.lightning_module.strict_loading
+        if path.is_dir():
+            state = {"state_dict": get_model_state_dict(self.model)}
+            for i, optimizer in enumerate(optimizers):
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+            load(state, path, strict=strict)
+            for i, optimizer in enumerate(optimizers):
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+            meta_file = path / META_FILE
+            return torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.is_file() else {}
+        if not path.is_file():
+            raise FileNotFoundError(f"shard_fsdp_tp: no checkpoint at {path}")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), strict=strict)
+        optim_states = checkpoint.pop("optimizer_states", None)
+        if optim_states is None:
+            optim_states = [
+                checkpoint.pop(f"optimizer_{i}") for i in range(len(optimizers)) if f"optimizer_{i}" in checkpoint
+            ]
+        for optimizer, optim_state in zip(optimizers, optim_states or []):
+            set_optimizer_state_dict(self.model, optimizer, optim_state)
+        return checkpoint
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:

@@ -15,16 +15,20 @@ def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, lr: float = 0.1, meta_init: bool = False, per_rank_batch: int = 4) -> None:
+    """A LightningModule around a small LM: ``arch="gpt"`` (tests/fsdp_models.TinyGPT) or ``"llama"``
+    (tests/tp_models.Llama, for tensor parallelism)."""
+
+    def __init__(self, lr: float = 0.1, meta_init: bool = False, per_rank_batch: int = 4, arch: str = "gpt") -> None:
         super().__init__()
         self.lr = lr
+        self.arch = arch
         self.meta_init = meta_init
         self.per_rank_batch = per_rank_batch
-        self.model = None if meta_init else _seeded_model()
+        self.model = None if meta_init else _seeded_model(arch)
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = TinyGPT()
+            self.model = _build(self.arch)
 
     def forward(self, x):
         return self.model(x)
@@ -62,9 +66,17 @@ class LitGPT(L.LightningModule):
         return self.val_dataloader()
 
 
-def _seeded_model() -> TinyGPT:
-    torch.manual_seed(0)
+def _build(arch: str):
+    if arch == "llama":
+        from tests.tp_models import Llama
+
+        return Llama(vocab=VOCAB)
     return TinyGPT()
+
+
+def _seeded_model(arch: str = "gpt"):
+    torch.manual_seed(0)
+    return _build(arch)
 
 
 def sampler_batches(world: int, per_rank_batch: int, n: int = 64, seed: int = 0) -> list[torch.Tensor]:
@@ -80,10 +92,17 @@ def sampler_batches(world: int, per_rank_batch: int, n: int = 64, seed: int = 0)
 
 
 def reference_params(
-    steps: int, world: int = 2, per_rank_batch: int = 4, lr: float = 0.1, accumulate: int = 1, clip: float | None = None
+    steps: int,
+    world: int = 2,
+    per_rank_batch: int = 4,
+    lr: float = 0.1,
+    accumulate: int = 1,
+    clip: float | None = None,
+    arch: str = "gpt",
 ):
-    """Single-device SGD on the same global batches the ranks see, one optimizer step per ``accumulate``."""
-    model = _seeded_model()
+    """Single-device SGD on the same global batches the ``world`` data-parallel ranks see, one optimizer step
+    per ``accumulate`` micro-batches."""
+    model = _seeded_model(arch)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     data = dataset()
     batches = iter(sampler_batches(world, per_rank_batch))

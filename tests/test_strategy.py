@@ -92,6 +92,18 @@ def test_precision_strings(precision):
 
 
 @distributed(world_size=2)
+def test_tensor_parallel_only_auto_plan():
+    module = LitGPT(arch="llama")
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2), max_steps=3)
+    trainer.fit(module)
+    assert module.device_mesh.shape == (1, 2)
+    assert trainer.strategy.parallel_summary["tp_plan"]  # the auto plan sharded something
+    assert any(len(p.placements) == 2 and p.placements[1].is_shard() for p in module.parameters())
+    # one data-parallel rank: every TP rank sees the same batches
+    assert _max_diff(module, reference_params(3, world=1, arch="llama")) < 1e-5
+
+
+@distributed(world_size=2)
 def test_bad_configuration_errors():
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 2 devices"):
         _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=3)).fit(LitGPT())
@@ -99,3 +111,13 @@ def test_bad_configuration_errors():
         strategies.ShardFSDPTPStrategy(sharding_strategy="HALF_SHARD")
     with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=2 = 4"):
         _trainer(strategy=strategies.ShardFSDPTPStrategy(data_parallel_size=2, tensor_parallel_size=2)).fit(LitGPT())
+
+
+@distributed(world_size=4)
+def test_fsdp_times_tp_on_four_ranks():
+    module = LitGPT(arch="llama")
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2), max_steps=3)
+    trainer.fit(module)
+    assert module.device_mesh.shape == (2, 2)
+    assert trainer.strategy.distributed_sampler_kwargs["num_replicas"] == 2
+    assert _max_diff(module, reference_params(3, world=2, arch="llama")) < 1e-5

@@ -122,6 +122,8 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         if device.type != "meta":
             self.layout.warm(device, self.compute_dtype, self.reduce_dtype)
+        if device.type == "cpu":
+            _match_numba_threads_to_torch()
 
     # ------------------------------------------------------------------ construction
     @property
@@ -309,6 +311,14 @@ class FSDPParamGroup:
 
     def sharded_numel(self) -> int:
         return self.layout.shard_numel
+
+
+def _match_numba_threads_to_torch() -> None:
+    """Use no more kernel threads than torch's intra-op pool: several ranks per machine already share the
+    cores, and two thread pools each sized to all cores would oversubscribe them."""
+    import numba
+
+    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, torch.get_num_threads())))
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -61,9 +61,10 @@ def main() -> None:
                 comm_total=est.comm_total,
             )  # fmt: skip
             cells = [f"{predicted[t]} / {measured[t]} ({predicted[t] / max(1, measured[t]):.3f})" for t in TERMS]
-            rows.append(f"| {factory.__name__} | {precision}, {optimizer} | {mesh[0]} x {mesh[1]} | " + " | ".join(cells))
+            head = f"| {factory.__name__} | {precision}, {optimizer} | {mesh[0]} x {mesh[1]} | "
+            rows.append(head + " | ".join(cells))
     if dist.get_rank() == 0:
-        print(f"world size {world}, micro-batch {args.batch} x seq {args.seq_len}; cells: estimate / measured (ratio), bytes on rank 0")
+        print(f"world size {world}, micro-batch {args.batch} x seq {args.seq_len}; cells: estimate / measured (ratio)")
         print("| model | precision, optimizer | mesh (dp x tp) | " + " | ".join(TERMS) + " |")
         print("|---|---|---|" + "---|" * len(TERMS))
         print("\n".join(r + " |" for r in rows))

@@ -605,4 +605,3 @@ def dims_divisible(model: nn.Module, plan: dict, tp: int) -> list[str]:
                 if p is not None and pl.is_shard() and p.shape[pl.dim % p.ndim] % tp:
                     bad.append(f"{fqn}.{name} dim {pl.dim % p.ndim} = {p.shape[pl.dim % p.ndim]}")
     return bad
-

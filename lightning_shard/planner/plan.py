@@ -229,7 +229,7 @@ def _no_fit_message(result, model, world_size, devices_per_node, memory, margin,
             if fit_batch >= 1
             else "smaller micro-batch: even batch 1 does not fit"
         )
-    options.append("activation checkpointing or a shorter sequence (activations: " f"{format_bytes(e.activations)})")
+    options.append(f"activation checkpointing or a shorter sequence (activations: {format_bytes(e.activations)})")
     return (
         f"planner: the model does not fit on any mesh of {world_size} devices with "
         f"{format_bytes(memory)} each (budget {format_bytes(result.budget_bytes)} after a {margin:.0%} margin). "

@@ -9,9 +9,11 @@ Example::
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from strategies import loading
 from strategies.precision import ShardedGradScaler, ShardPrecision
 from strategies.strategy import ShardFSDPTPStrategy
 
 ShardFSDPTPStrategy.register_strategies(StrategyRegistry)
+loading.install()
 
 __all__ = ["ShardFSDPTPStrategy", "ShardPrecision", "ShardedGradScaler"]

@@ -377,3 +377,20 @@ def test_hsdp_two_by_two_parity():
         _train(model, data)
     assert counts.calls["all_reduce"] == len(data) * (len(model.blocks) + 1)  # one per group across replicas
     assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=4)
+def test_parameters_with_fewer_rows_than_ranks():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Embedding(2, 4), nn.Linear(4, 3), nn.Linear(3, 1))  # 2, 3 and 1 rows over 4 ranks
+    ref = copy.deepcopy(model)
+    fully_shard(model, mesh=_dp_mesh())
+    assert [p.to_local().shape[0] for p in model.parameters()][:1] == [1 if dist.get_rank() < 2 else 0]
+    idx = torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 1], [1, 1, 0]])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    for _ in range(2):
+        for m, opt, x in ((model, opts[0], idx[dist.get_rank() : dist.get_rank() + 1]), (ref, opts[1], idx)):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5

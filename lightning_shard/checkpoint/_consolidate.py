@@ -149,8 +149,9 @@ def _tree(reader: _Reader, keys: list[str]) -> tuple[dict[str, Any], list[tuple[
     return root, tensors
 
 
-def _write_torch(reader: _Reader, keys: list[str], out_file: str) -> None:
+def _write_torch(reader: _Reader, keys: list[str], out_file: str, extra: dict[str, Any] | None = None) -> None:
     root, tensors = _tree(reader, keys)
+    root.update(extra or {})  # e.g. Lightning's meta.pt: loops, callbacks, hyperparameters
     buf = io.BytesIO()
     _IndexPickler(buf, protocol=2).dump(root)
     data = buf.getvalue()
@@ -171,10 +172,11 @@ def _write_torch(reader: _Reader, keys: list[str], out_file: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ safetensors
 def _model_keys(reader: _Reader) -> list[tuple[str, str]]:
-    """(safetensors name, DCP key) of the model weights: the "model" entry if present, else every tensor."""
+    """(safetensors name, DCP key) of the model weights: the "model" entry (or Lightning's "state_dict") if
+    present, else every tensor."""
     md = reader.metadata.state_dict_metadata
     tensors = [k for k, v in md.items() if isinstance(v, TensorStorageMetadata)]
-    under_model = [k for k in tensors if reader.path_of(k)[0] == "model"]
+    under_model = [k for k in tensors if reader.path_of(k)[0] in ("model", "state_dict")]
     if under_model:
         return [(".".join(str(p) for p in reader.path_of(k)[1:]), k) for k in under_model]
     return [(".".join(str(p) for p in reader.path_of(k)), k) for k in tensors]
@@ -210,6 +212,13 @@ def _write_safetensors(reader: _Reader, out_file: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ entry points
+def _lightning_meta(sharded_dir: str) -> dict[str, Any]:
+    """The non-tensor part of a checkpoint written by the Lightning strategy (``meta.pt``), if any, so the
+    consolidated file is a complete Lightning checkpoint that ``fit(ckpt_path=...)`` resumes from."""
+    meta = os.path.join(sharded_dir, "meta.pt")
+    return torch.load(meta, map_location="cpu", weights_only=True) if os.path.isfile(meta) else {}
+
+
 def consolidate(
     sharded_dir: str | os.PathLike,
     out_file: str | os.PathLike,
@@ -236,7 +245,7 @@ def consolidate(
         if safetensors:
             _write_safetensors(reader, tmp)
         else:
-            _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp)
+            _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp, _lightning_meta(sharded_dir))
         os.replace(tmp, out_file)
     finally:
         if os.path.exists(tmp):

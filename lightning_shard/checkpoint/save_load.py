@@ -159,7 +159,7 @@ def _publish(tmp: str, path: str, ckpt_id: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ save
-def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
+def save(state: Mapping[str, Any], path: str | os.PathLike, *, extra_files: Mapping[str, bytes] | None = None) -> None:
     """Write ``state`` as a DCP checkpoint directory at ``path``, atomically (see the module docstring).
 
     ``state`` is a dict of state dicts and plain values, e.g. ``{"model": get_model_state_dict(model),
@@ -172,6 +172,9 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     Example::
 
         save({"model": get_model_state_dict(model), "step": step}, f"ckpts/step{step}")
+
+    ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory before it is published,
+    so they are part of the atomic checkpoint (the Lightning strategy keeps its loop state in ``meta.pt``).
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
@@ -187,6 +190,11 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     error: BaseException | None = None
     if _rank() == 0:
         try:
+            for name, data in (extra_files or {}).items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
             _write_marker(tmp, ckpt_id)
             _publish(tmp, path, ckpt_id)
         except BaseException as e:  # tell the other ranks instead of leaving them in the barrier

@@ -139,7 +139,7 @@ class FSDPParamGroup:
         rank = self.mesh_info.shard_rank
         for i, (fp, orig) in enumerate(zip(self.params, originals)):
             local = self._local_view(flat, i)
-            if device.type != "meta":
+            if device.type != "meta" and local.numel() > 0:  # trailing ranks may hold no rows at all
                 start = rank * self.layout.rows_per_shard[i]
                 source = orig._local_tensor if isinstance(orig, DTensor) else orig
                 local.copy_(source.detach().narrow(0, start, local.shape[0]))

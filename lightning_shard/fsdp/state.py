@@ -58,6 +58,7 @@ class FSDPState:
         self.post_backward_done = False
         self.root: FSDPState | None = None
         self.summoned = False  # inside summon_full_params: hooks off, the module runs as a plain module
+        self.last_reducing_group: FSDPParamGroup | None = None  # root only: the reduce-scatter in flight
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
@@ -177,13 +178,21 @@ class FSDPState:
     def post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         if self.group is not None:
+            # Bound memory: the previous group's reduce-scatter finishes (its staging buffer is freed) before
+            # this group stages its gradients, so at most two staging buffers are alive, as in torch's FSDP2.
+            root = self.root or self
+            previous = root.last_reducing_group
+            if previous is not None and previous is not self.group:
+                previous.finish_reduce()
             self.group.post_backward()
+            root.last_reducing_group = self.group
             if self.group.reshard_after_backward:
                 self.group.reshard()
         self.post_backward_done = True
 
     def _root_post_backward_final(self) -> None:
         self._callback_queued = False
+        self.last_reducing_group = None
         for state in self.all_states:
             group = state.group
             if group is not None and group.is_unsharded and not state.post_backward_done:

@@ -1,0 +1,62 @@
+"""``LightningModule.load_from_checkpoint`` on a sharded checkpoint directory.
+
+Lightning loads checkpoints with ``lightning.fabric.utilities.cloud_io._load``, which only reads files.
+Importing ``strategies`` wraps the name Lightning's ``load_from_checkpoint`` uses so that a directory
+written by this strategy is first consolidated (one tensor at a time, into a temporary file read with
+``weights_only=True``) together with its ``meta.pt``; files and URLs go to Lightning's loader unchanged.
+
+Example::
+
+    import strategies
+    model = MyModule.load_from_checkpoint("checkpoints/epoch=0-step=10.ckpt")   # a sharded directory
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.core import saving
+
+from lightning_shard.checkpoint import consolidate
+from lightning_shard.checkpoint.save_load import MARKER
+
+META_FILE = "meta.pt"
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    """True for a directory written by ``lightning_shard.checkpoint.save`` (it holds the completion marker)."""
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / MARKER).is_file()
+
+
+def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint in directory ``path`` as one in-memory dict of full tensors, like a full checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "consolidated.pt")
+        consolidate(path, out)
+        checkpoint = torch.load(out, map_location="cpu", weights_only=True)
+    meta = Path(path) / META_FILE
+    if meta.is_file():
+        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=True))
+    return checkpoint
+
+
+def _wrap(original):
+    if getattr(original, "_shard_fsdp_tp", False):
+        return original
+
+    def pl_load(path_or_url, map_location=None, weights_only=None):
+        if is_sharded_checkpoint(path_or_url):
+            return load_sharded_as_full(path_or_url)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._shard_fsdp_tp = True
+    return pl_load
+
+
+def install() -> None:
+    """Make ``load_from_checkpoint`` accept our sharded directories (idempotent)."""
+    saving.pl_load = _wrap(saving.pl_load)

@@ -79,6 +79,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file) for checkpoints.
         sharding_strategy: FSDP1's names, so Lightning ``FSDPStrategy`` users switch by one string.
         activation_checkpointing_policy: module classes whose forward is recomputed in backward.
+        planner_batch, planner_seq_len: micro-batch and sequence length the planner sizes activations for
+            when ``tensor_parallel_size="auto"``.
         process_group_backend, timeout, start_method: process-group and launcher settings.
 
     Example: ``ShardFSDPTPStrategy(tensor_parallel_size=2, state_dict_type="full")``.
@@ -100,6 +102,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn"] = "popen",
+        planner_batch: int = 1,
+        planner_seq_len: int = 2048,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -131,9 +135,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        self.planner_batch = planner_batch
+        self.planner_seq_len = planner_seq_len
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
         self.parallel_summary: dict = {}
+        self.planner_table: str | None = None  # the planner's table when tensor_parallel_size="auto"
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -222,7 +229,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         world = self.world_size
         tp = self._tensor_parallel_size
         if tp == "auto":
-            tp = 1  # the memory planner picks it once it exists; FSDP alone until then
+            tp = self._plan_tensor_parallel_size(world)
         dp = world // tp if self._data_parallel_size == "auto" else self._data_parallel_size
         if world % tp:
             raise ValueError(
@@ -253,6 +260,37 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"),
             )
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+    def _plan_tensor_parallel_size(self, world: int) -> int:
+        """``tensor_parallel_size="auto"``: the memory planner's choice (the smallest TP that fits), logged with
+        its table. Needs the model's layers at this point (built in ``__init__``); a model built later in
+        ``configure_model`` gets TP 1 with a message saying why."""
+        module = self.lightning_module
+        if next(module.parameters(), None) is None:
+            rank_zero_info(
+                "shard_fsdp_tp: tensor_parallel_size='auto' needs the layers before configure_model; using 1"
+            )
+            return 1
+        from lightning_shard.planner import choose_tensor_parallel_size
+
+        if self.root_device.type == "cuda":
+            memory = torch.cuda.get_device_properties(self.root_device).total_memory
+        else:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.num_processes)
+        try:
+            tp, table = choose_tensor_parallel_size(
+                module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
+                batch=self.planner_batch, seq_len=self.planner_seq_len, cpu_offload=self.cpu_offload,
+                reshard_after_forward=self.reshard_after_forward,
+            )  # fmt: skip
+        except ValueError:
+            raise  # nothing fits: the planner's message lists the smallest requirement and the options
+        except Exception as e:  # the planner could not run this model's forward on meta
+            rank_zero_info(f"shard_fsdp_tp: the planner could not estimate this model ({e!r}); using TP 1")
+            return 1
+        rank_zero_info(f"shard_fsdp_tp: tensor_parallel_size='auto' chose {tp}:\n{table}")
+        self.planner_table = table
+        return tp
 
     def _fsdp_mesh(self) -> DeviceMesh:
         mesh = self.device_mesh

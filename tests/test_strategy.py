@@ -121,3 +121,14 @@ def test_fsdp_times_tp_on_four_ranks():
     assert module.device_mesh.shape == (2, 2)
     assert trainer.strategy.distributed_sampler_kwargs["num_replicas"] == 2
     assert _max_diff(module, reference_params(3, world=2, arch="llama")) < 1e-5
+
+
+@distributed(world_size=2)
+def test_auto_tensor_parallel_size_uses_the_planner():
+    module = LitGPT(arch="llama")
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size="auto", planner_batch=4, planner_seq_len=6)
+    trainer = _trainer(strategy=strategy, max_steps=1)
+    trainer.fit(module)
+    # plenty of memory on this machine: the smallest TP that fits is 1, and the planner said why
+    assert module.device_mesh.shape == (2, 1)
+    assert trainer.strategy.planner_table and "fits" in trainer.strategy.planner_table.lower()

@@ -57,8 +57,8 @@ def test_review_dataset_is_deterministic_and_balanced():
     from reviews import LABELS, review_dataset, sentence
 
     a, b = review_dataset(n=200, seed=3), review_dataset(n=200, seed=3)
-    assert a["train"]["text"] == b["train"]["text"] and len(a["validation"]) == 40
-    labels = a["train"]["label"] + a["validation"]["label"]
+    assert list(a["train"]["text"]) == list(b["train"]["text"]) and len(a["validation"]) == 40
+    labels = list(a["train"]["label"]) + list(a["validation"]["label"])
     assert sorted(set(labels)) == list(range(len(LABELS))) and labels.count(0) == 50
     assert sentence(random.Random(0), LABELS.index("question")).endswith("?")
 

@@ -1,0 +1,294 @@
+"""The same LightningModule through three Trainer strategies, in one run: ours ("shard_fsdp_tp"), Lightning's
+``ModelParallelStrategy`` (hand-written torch FSDP2 ``fully_shard`` per block + root in ``configure_model``,
+TP only when ``--tp > 1``) and DDP.
+
+Reports the median step time (a callback times ``on_train_batch_start`` .. ``on_train_batch_end``, i.e.
+forward, backward and optimizer step, after ``--warmup`` steps) and the peak memory per rank (CPU: growth of
+the process's peak RSS from just before the model is built in ``configure_model``; CUDA:
+``torch.cuda.max_memory_allocated``), as ratios ours / other.
+
+    python benchmarks/trainer_vs_lightning.py --devices 2 --repeats 3 --json results.json
+
+Each variant runs as its own ``python benchmarks/trainer_vs_lightning.py --variant NAME --out FILE``
+subprocess, in which Lightning's own launcher starts the other ranks, so no state is shared between variants.
+Variants are interleaved (the order rotates each repeat) so that load from other processes on the machine
+hits them alike; the reported figure per variant is the median over repeats of the slowest rank's median.
+
+``--json`` writes ``{"ours": {...}, "model_parallel": {...}, "ddp": {...}}`` with ``step_s`` and ``peak_mb``
+each (plus the per-repeat values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the GPT of fsdp_vs_torch.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # strategies, lightning_shard
+
+VARIANTS = ("ours", "model_parallel", "ddp")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _build_module(args):
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from fsdp_vs_torch import GPT
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class BenchGPT(L.LightningModule):
+        """A GPT of a few M parameters; built in configure_model so every strategy builds it at the same point."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+            self.base_rss = 0.0
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            if args.accelerator == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            if args.prewarm_kernels:
+                _prewarm_kernels()
+            self.base_rss = _peak_rss_mb()
+            torch.manual_seed(0)
+            self.model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+            if args.variant == "model_parallel":
+                _torch_parallelize(self.model, self.device_mesh, args.tp)
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            logits = self.model(x)
+            return F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            n = (args.steps + args.warmup) * args.batch * args.devices
+            g = torch.Generator().manual_seed(1)
+            return DataLoader(TensorDataset(torch.randint(0, args.vocab, (n, args.seq), generator=g)), args.batch)
+
+    return BenchGPT()
+
+
+def _prewarm_kernels() -> None:
+    """Load our numba kernels (llvmlite, ~40 MB of RSS per process, independent of the model) before the
+    memory baseline, so the peak measures what scales with the model. Affects only "ours"."""
+    import torch
+
+    from numba_kernels import GroupLayout
+
+    for dtype in (torch.float32, torch.bfloat16):
+        GroupLayout([(4, 4)], 2).warm("cpu", dtype, torch.float32)
+
+
+def _torch_parallelize(model, mesh, tp: int) -> None:
+    """What a ModelParallelStrategy user writes: TP (if any) on the TP sub-mesh, then FSDP2 per block + root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in model.blocks:
+            # qkv is split by output features; with heads % tp == 0 each rank keeps whole heads of q, k and v
+            # only if the weight rows are grouped per head, which this simple plan does not ensure. Throughput
+            # only: use the numbers for speed and memory, not for accuracy.
+            parallelize_module(
+                block,
+                mesh["tensor_parallel"],
+                {
+                    "qkv": ColwiseParallel(),
+                    "proj": RowwiseParallel(),
+                    "up": ColwiseParallel(),
+                    "down": RowwiseParallel(),
+                },
+            )
+            block.heads //= tp
+    dp_mesh = mesh["data_parallel"]
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def _callback(args, out: str):
+    import lightning as L
+    import torch
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t0 = 0.0
+
+        def _sync(self):
+            if args.accelerator == "cuda":
+                torch.cuda.synchronize()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._sync()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._sync()
+            self.times.append(time.perf_counter() - self._t0)
+
+        def on_train_end(self, trainer, pl_module):
+            cuda = pl_module.device.type == "cuda"
+            peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - pl_module.base_rss
+            step = statistics.median(self.times[args.warmup :])
+            mine = torch.tensor([step, peak], dtype=torch.float64, device=pl_module.device)
+            every = trainer.strategy.all_gather(mine).reshape(-1, 2).cpu()
+            if trainer.global_rank == 0:
+                result = {
+                    "step_s": float(every[:, 0].max()),
+                    "peak_mb": float(every[:, 1].max()),
+                    "per_rank": every.tolist(),
+                    "steps_timed": len(self.times) - args.warmup,
+                }
+                Path(out).write_text(json.dumps(result))
+
+    return Timer()
+
+
+def run_variant(args) -> None:
+    """One Trainer run (this process is rank 0; Lightning's launcher starts the others)."""
+    import lightning as L
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.devices))
+    if args.variant == "ours":
+        from strategies import ShardFSDPTPStrategy
+
+        strategy = ShardFSDPTPStrategy(tensor_parallel_size=args.tp)
+    elif args.variant == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp)
+    else:
+        strategy = "ddp"
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps + args.warmup,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[_callback(args, args.out)],
+    )
+    trainer.fit(_build_module(args))
+
+
+def _variant_cmd(args, variant: str, out: str) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--out", out]
+    for name in ("devices", "tp", "steps", "warmup", "batch", "seq", "vocab", "dim", "layers", "heads"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += ["--prewarm-kernels"] if args.prewarm_kernels else []
+    return cmd + ["--accelerator", args.accelerator, "--precision", args.precision]
+
+
+def main_compare(args) -> dict:
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            order = args.variants[rep % len(args.variants) :] + args.variants[: rep % len(args.variants)]
+            for variant in order:
+                out = os.path.join(tmp, f"{variant}.{rep}.json")
+                t0 = time.time()
+                env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.env))
+                proc = subprocess.run(_variant_cmd(args, variant, out), capture_output=True, text=True, env=env)
+                if proc.returncode != 0 or not os.path.exists(out):
+                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+                    raise SystemExit(f"variant {variant} failed (exit code {proc.returncode})")
+                r = json.loads(Path(out).read_text())
+                runs[variant].append(r)
+                print(
+                    f"repeat {rep} {variant:15s} step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mb']:8.1f} MB  "
+                    f"(wall {time.time() - t0:.0f}s, load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
+    results = {
+        v: {
+            "step_s": statistics.median(r["step_s"] for r in rs),
+            "peak_mb": statistics.median(r["peak_mb"] for r in rs),
+            "step_s_runs": [r["step_s"] for r in rs],
+            "peak_mb_runs": [r["peak_mb"] for r in rs],
+        }
+        for v, rs in runs.items()
+    }
+    print(
+        f"\n| variant | step (ms), median of {args.repeats} | peak MB/rank | step ms per repeat | peak MB per repeat |"
+    )
+    print("|---|---:|---:|---|---|")
+    for v, r in results.items():
+        per = ", ".join(f"{s * 1e3:.0f}" for s in r["step_s_runs"])
+        mem = ", ".join(f"{m:.0f}" for m in r["peak_mb_runs"])
+        print(f"| {v} | {r['step_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {per} | {mem} |")
+    if "ours" in results:
+        for other in ("model_parallel", "ddp"):
+            if other in results:
+                ratio = {k: results["ours"][k] / results[other][k] for k in ("step_s", "peak_mb") if results[other][k]}
+                print(f"ours / {other}: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items()))
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (1 on CPU: data_parallel_size=devices)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4, help="per rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every variant")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--json", type=str, default=None)
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set for every variant, e.g. NUMBA_NUM_THREADS=1",
+    )
+    p.add_argument(
+        "--prewarm-kernels", action="store_true", help="load numba kernels before the memory baseline (see docs)"
+    )
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one Trainer run
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.variant:
+        run_variant(args)
+        return
+    results = main_compare(args)
+    for r in results.values():
+        r.update(env=args.env, prewarm_kernels=args.prewarm_kernels, devices=args.devices, tp=args.tp)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -128,6 +128,43 @@ class RankInterleavedSampler:
         return len(self.indices)
 
 
+class _DataParallelSampler:
+    """``RankInterleavedSampler`` over the data-parallel ranks only (the TP ranks of one group share data).
+
+    The strategy knows the data-parallel rank only once its mesh exists, which is before Lightning first
+    asks the loader for its length or an iterator.
+    """
+
+    def __init__(self, length: int, strategy, expected_replicas: int) -> None:
+        self.length, self.strategy, self.expected = length, strategy, expected_replicas
+        self._inner: RankInterleavedSampler | None = None
+
+    def _sampler(self) -> RankInterleavedSampler:
+        if self._inner is None:
+            kw = self.strategy.distributed_sampler_kwargs
+            if kw["num_replicas"] != self.expected:
+                raise RuntimeError(
+                    f"shard_parity: the strategy has {kw['num_replicas']} data-parallel ranks but the reference was "
+                    f"built for {self.expected}; pass integer data_parallel_size/tensor_parallel_size"
+                )
+            self._inner = RankInterleavedSampler(self.length, kw["rank"], kw["num_replicas"])
+        return self._inner
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._sampler())
+
+    def __len__(self) -> int:
+        return len(self._sampler())
+
+
+def _dp_size(world_size: int, strategy_kwargs: dict) -> int:
+    dp = strategy_kwargs.get("data_parallel_size", "auto")
+    if isinstance(dp, int):
+        return dp
+    tp = strategy_kwargs.get("tensor_parallel_size", 1)
+    return world_size // tp if isinstance(tp, int) and tp >= 1 else world_size  # "auto": FSDP only for now
+
+
 class _ReferenceOrderSampler:
     """The single-device order: micro-batch j of rank 0, of rank 1, ..., then micro-batch j+1 of rank 0, ..."""
 
@@ -172,6 +209,7 @@ class _Job:
     role: str  # "shard" or "reference"
     rank: int
     world_size: int
+    dp_size: int  # data-parallel ranks: the reference accumulates this many micro-batches per step
     port: int
     max_steps: int
     strategy_kwargs: dict
@@ -267,10 +305,10 @@ def _train(job: _Job):
     kwargs["callbacks"] = [*list(kwargs.get("callbacks") or []), recorder.callback]
     if job.role == "shard":
         kwargs.update(devices=job.world_size, strategy=strategies.ShardFSDPTPStrategy(**job.strategy_kwargs))
-        data = _rebuild_loader(loader, RankInterleavedSampler(n, job.rank, job.world_size))
+        data = _rebuild_loader(loader, _DataParallelSampler(n, kwargs["strategy"], job.dp_size))
     else:
-        kwargs.update(devices=1, strategy="auto", accumulate_grad_batches=accumulate * job.world_size)
-        data = _rebuild_loader(loader, _ReferenceOrderSampler(n, job.world_size, loader.batch_size))
+        kwargs.update(devices=1, strategy="auto", accumulate_grad_batches=accumulate * job.dp_size)
+        data = _rebuild_loader(loader, _ReferenceOrderSampler(n, job.dp_size, loader.batch_size))
     trainer = L.Trainer(**kwargs)
     trainer.fit(module, train_dataloaders=data)
     params = _full_params(module)  # a collective for sharded parameters: every rank calls it
@@ -392,22 +430,18 @@ def run_parity(
     for forbidden in ("devices", "strategy", "max_steps", "use_distributed_sampler", "accelerator"):
         if forbidden in trainer_kwargs:
             raise ValueError(f"shard_parity: trainer_kwargs may not set {forbidden!r}; shard_parity chooses it")
+    dp_size = _dp_size(world_size, strategy_kwargs)
     with contextlib.ExitStack() as stack:
         if out_dir is None:
             out_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="shard_parity_"))
         port = _free_port()
         ctx = mp.get_context("spawn")
-        jobs = [
-            _Job(
-                module_factory, "shard", r, world_size, port, max_steps, strategy_kwargs, trainer_kwargs, seed, out_dir
-            )
-            for r in range(world_size)
-        ]
-        jobs.append(
-            _Job(
-                module_factory, "reference", 0, world_size, 0, max_steps, strategy_kwargs, trainer_kwargs, seed, out_dir
-            )
-        )
+        common = dict(
+            factory=module_factory, world_size=world_size, dp_size=dp_size, max_steps=max_steps,
+            strategy_kwargs=strategy_kwargs, trainer_kwargs=trainer_kwargs, seed=seed, out_dir=out_dir,
+        )  # fmt: skip
+        jobs = [_Job(role="shard", rank=r, port=port, **common) for r in range(world_size)]
+        jobs.append(_Job(role="reference", rank=0, port=0, **common))
         procs = [ctx.Process(target=_child, args=(job,), daemon=True) for job in jobs]
         env_backup = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
         os.environ.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")  # N+1 processes share the cores
@@ -438,7 +472,7 @@ def run_parity(
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     per_rank_steps = [_step_losses(lo, accumulate) for lo in rank_losses]
     losses = [sum(s[i] for s in per_rank_steps) / world_size for i in range(min(map(len, per_rank_steps)))]
-    reference_losses = _step_losses(ref["losses"], accumulate * world_size)
+    reference_losses = _step_losses(ref["losses"], accumulate * dp_size)
     names = sorted(set(shard["params"]) | set(ref["params"]))
     missing = [n for n in names if n not in shard["params"] or n not in ref["params"]]
     diff = {}

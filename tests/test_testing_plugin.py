@@ -74,6 +74,9 @@ def test_parity_and_broken_model_through_the_plugin(pytester):
                 assert len(result.losses) == 3
                 assert max(abs(a - b) for a, b in zip(result.losses, result.reference_losses)) < 1e-5
 
+            def test_tensor_parallel(shard_parity):  # TP ranks share data: the reference accumulates 1 batch
+                assert shard_parity(make_gpt, world_size=2, max_steps=2, strategy_kwargs={"tensor_parallel_size": 2}).ok
+
             def test_broken(shard_parity):
                 with pytest.raises(AssertionError, match=r"parameters differ from the single-device run"):
                     shard_parity(make_broken_gpt, world_size=2, max_steps=2)
@@ -92,10 +95,10 @@ def test_parity_and_broken_model_through_the_plugin(pytester):
     import torch
 
     if torch.cuda.device_count() < 2:
-        assert outcomes.get("passed") == 2 and outcomes.get("skipped") == 1, result.stdout.str()
+        assert outcomes.get("passed") == 3 and outcomes.get("skipped") == 1, result.stdout.str()
         result.stdout.fnmatch_lines(["*SKIPPED*Requires: [[]GPUs>=2 + Standalone execution[]]*"])
     else:
-        assert outcomes.get("passed") == 2, result.stdout.str()
+        assert outcomes.get("passed") == 3, result.stdout.str()
 
 
 def test_standalone_env_keeps_only_standalone_tests(pytester):

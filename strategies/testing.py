@@ -556,6 +556,9 @@ def _run_standalone(paths: list[str], extra: list[str]) -> int:
         capture_output=True,
         text=True,
     )
+    if collect.returncode not in (0, 5):  # 5: nothing collected
+        print(collect.stdout[-4000:] + collect.stderr[-4000:])
+        return collect.returncode
     ids = [line for line in collect.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     failures = []
     for test_id in ids:

@@ -8,7 +8,8 @@ the growth of the process's peak RSS from just before the model is built; on CUD
     python benchmarks/fsdp_vs_torch.py --world-size 2 --steps 8 --json results.json
 
 ``--json`` writes ``{"ours": {...}, "torch_fsdp2": {...}, "ddp": {...}}`` with ``step_s``, ``peak_mb`` and
-``comm_bytes`` each (comm bytes: all-gather outputs + reduce-scatter inputs + all-reduce tensors per step).
+``comm_bytes`` each (comm bytes per rank and step: the tensors handed to the collectives, i.e. all-gather
+inputs (this rank's shard) + reduce-scatter inputs + all-reduce tensors, as ``lightning_shard.comm`` counts).
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class _TorchCommCounter:
 
     def __enter__(self):
         for name, size_of in (
-            ("all_gather_into_tensor", lambda out, inp: out),
+            ("all_gather_into_tensor", lambda out, inp: inp),
             ("reduce_scatter_tensor", lambda out, inp: inp),
-            ("all_gather_single", lambda out, inp: out),  # torch >= 2.13 names
+            ("all_gather_single", lambda out, inp: inp),  # torch >= 2.13 names
             ("reduce_scatter_single", lambda out, inp: inp),
         ):
             original = getattr(dist, name, None)

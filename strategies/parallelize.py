@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -20,11 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from lightning_shard.fsdp.units import find_repeated_blocks
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
-
-_LEAF_TYPES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Dropout, nn.Conv1d, nn.Conv2d)
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def is_parallelized(model: nn.Module) -> bool:
@@ -38,33 +35,19 @@ def is_parallelized(model: nn.Module) -> bool:
 def find_fsdp_units(model: nn.Module, fsdp_unit: str | set[type] | Callable[[nn.Module], bool]) -> list[nn.Module]:
     """The modules to wrap with ``fully_shard`` (before the root), innermost first.
 
-    ``"auto"``: instances of the repeated block class: the non-leaf, non-container class with at least two
-    instances and the most parameters per instance (e.g. transformer layers).
+    ``"auto"``: ``lightning_shard.fsdp.units.find_repeated_blocks`` (e.g. the transformer layers).
     """
     if callable(fsdp_unit) and not isinstance(fsdp_unit, (set, frozenset, str)):
         chosen = [m for m in model.modules() if m is not model and fsdp_unit(m)]
     elif isinstance(fsdp_unit, (set, frozenset)):
         chosen = [m for m in model.modules() if m is not model and isinstance(m, tuple(fsdp_unit))]
     elif fsdp_unit == "auto":
-        block = _repeated_block_class(model)
-        chosen = [m for m in model.modules() if block is not None and type(m) is block and m is not model]
+        chosen = find_repeated_blocks(model)
     else:
         raise ValueError(f"fsdp_unit={fsdp_unit!r}: use 'auto', a set of module classes, or a callable module -> bool")
     # innermost first, so fully_shard runs bottom-up
     depth = {id(m): name.count(".") + 1 for name, m in model.named_modules() if name}
     return sorted(chosen, key=lambda m: -depth.get(id(m), 0))
-
-
-def _repeated_block_class(model: nn.Module) -> type | None:
-    counts: Counter = Counter()
-    sizes: dict[type, int] = {}
-    for m in model.modules():
-        if m is model or isinstance(m, _LEAF_TYPES + _CONTAINERS) or not list(m.children()):
-            continue
-        counts[type(m)] += 1
-        sizes[type(m)] = sum(p.numel() for p in m.parameters())
-    candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0]
-    return max(candidates, key=lambda cls: sizes[cls], default=None)
 
 
 def apply_parallelism(

@@ -309,10 +309,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         model = self.model
-        if parallelize.is_parallelized(model):
+        if getattr(model, "_shard_fsdp_tp_done", False):
+            pass  # parallelized by this strategy in an earlier Trainer call (e.g. validate, then fit)
+        elif parallelize.is_parallelized(model):
             rank_zero_info("shard_fsdp_tp: the model is already parallelized in configure_model; left as it is")
         else:
             self._parallelize(model)
+            model._shard_fsdp_tp_done = True
         self.model = model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -37,7 +37,6 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_shard.fsdp.units import find_repeated_blocks
 from numba_kernels import GroupLayout
 
 __all__ = [
@@ -69,8 +69,6 @@ _PRECISIONS = {
     "16-true": (torch.float16, torch.float16, torch.float32),
 }
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0}
-_LEAF_TYPES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Dropout, nn.Conv1d, nn.Conv2d)
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def precision_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -86,22 +84,11 @@ def _size(dtype: torch.dtype) -> int:
 
 # ---------------------------------------------------------------------------------------------- blocks
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """Instances of the repeated block class: the non-leaf, non-container class with at least two instances
-    and the most parameters per instance. The same rule as ``strategies.parallelize.find_fsdp_units(model,
-    "auto")`` (kept here because the engine must not import ``strategies``; the two should be unified).
+    """The FSDP units the strategy wraps (``lightning_shard.fsdp.units.find_repeated_blocks``).
 
     Example: ``find_blocks(llama)`` -> the ``LlamaBlock`` modules.
     """
-    counts: Counter = Counter()
-    sizes: dict[type, int] = {}
-    for m in model.modules():
-        if m is model or isinstance(m, _LEAF_TYPES + _CONTAINERS) or not list(m.children()):
-            continue
-        counts[type(m)] += 1
-        sizes[type(m)] = sum(p.numel() for p in m.parameters())
-    candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0]
-    block = max(candidates, key=lambda cls: sizes[cls], default=None)
-    return [m for m in model.modules() if block is not None and type(m) is block and m is not model]
+    return find_repeated_blocks(model)
 
 
 # ---------------------------------------------------------------------------------------------- TP layout

@@ -1,6 +1,9 @@
 """fully_shard on real gloo groups: parity with a single process and torch FSDP2, memory, communication."""
 
 import copy
+import ctypes
+import os
+import resource
 
 import pytest
 import torch
@@ -394,3 +397,43 @@ def test_parameters_with_fewer_rows_than_ranks():
             m(x).pow(2).mean().backward()
             opt.step()
     assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@distributed(world_size=2, fresh=True)
+def test_meta_model_larger_than_the_memory_cap_is_sharded_and_materialized():
+    """16 x (2048 x 2048) fp32 = 256 MiB of parameters; each process may map only 200 MiB more than it has:
+    the whole model cannot be allocated, but its half (128 MiB) plus one full parameter at a time can."""
+    torch.distributed.init_process_group("gloo")
+    mesh = _dp_mesh()
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(16)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Large buffers straight from mmap and back on free, so the address space follows live memory
+    # (glibc's dynamic threshold would otherwise keep freed buffers in the heap and the cap would measure that).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    cap = _vm_bytes() + 200 * 2**20
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        with pytest.raises((RuntimeError, MemoryError)):
+            torch.empty(256 * 2**20 // 4)  # the full model does not fit under the cap
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for layer in model:
+            layer.reset_parameters()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    assert local == 16 * 2048 * 2048 // 2
+    # the values are exactly what one device gives for the same seed (first layer checked)
+    torch.manual_seed(0)
+    expected = nn.Linear(2048, 2048, bias=False).weight.detach()
+    assert torch.equal(model[0].weight.full_tensor(), expected)
+    torch.distributed.destroy_process_group()

@@ -434,11 +434,14 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         strict = self.lightning_module.strict_loading
         if path.is_dir():
             state = {"state_dict": get_model_state_dict(self.model)}
+            saved = _top_level_entries(path)
             for i, optimizer in enumerate(optimizers):
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+                if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
+                    state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
             load(state, path, strict=strict)
             for i, optimizer in enumerate(optimizers):
-                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+                if f"optimizer_{i}" in state:
+                    set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
             meta_file = path / META_FILE
             return torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.is_file() else {}
         if not path.is_file():
@@ -484,6 +487,14 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _top_level_entries(path: Path) -> set[str]:
+    """The top-level names ("state_dict", "optimizer_0", ...) stored in a sharded checkpoint directory."""
+    from lightning_shard.checkpoint._safe_io import SafeFileSystemReader
+
+    keys = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key.split(".", 1)[0] for key in keys}
 
 
 def _check_choice(name: str, value, allowed) -> None:

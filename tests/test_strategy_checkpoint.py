@@ -141,3 +141,19 @@ def test_checkpoint_of_another_model_is_refused_and_nothing_changes(two_rank_che
         trainer.fit(module, ckpt_path=two_rank_checkpoint)
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*ckpt-missing"):
         _trainer(max_steps=1).fit(Lit(), ckpt_path=two_rank_checkpoint + "-missing")
+
+
+@distributed(world_size=2)
+def test_weights_only_checkpoint_loads_for_validate(tmp_path):
+    path = _shared_path(tmp_path, "weights")
+    module = LitGPT()
+    trainer = _trainer(max_steps=2)
+    trainer.fit(module)
+    trainer.save_checkpoint(path, weights_only=True)
+    expected = _full_params(module)
+    fresh = LitGPT(lr=0.0)  # lr 0: fit must not move the loaded weights
+    _trainer(max_steps=3, limit_val_batches=1).validate(fresh, ckpt_path=path, verbose=False)
+    _equal(_full_params(fresh), expected)
+    # resuming training needs optimizer state: Lightning refuses a weights-only checkpoint, as for every strategy
+    with pytest.raises(KeyError, match="contains only the model"):
+        _trainer(max_steps=3).fit(LitGPT(), ckpt_path=path)

@@ -242,19 +242,30 @@ def run_blocks(
     """
     kernel = _kernel_serial if total is not None and total < SERIAL_THRESHOLD else _kernel_parallel
     kernel(
-        blk,
+        _readonly(blk),
         _DUMMY_F32 if src_f32 is None else src_f32,
         _DUMMY_U16 if src_u16 is None else src_u16,
-        src_base,
+        _readonly(src_base),
         np.int64(src_code),
         _DUMMY_F32 if dst_f32 is None else dst_f32,
         _DUMMY_U16 if dst_u16 is None else dst_u16,
-        dst_base,
+        _readonly(dst_base),
         np.int64(dst_code),
         divisor is not None,
         np.float32(1.0 if divisor is None else divisor),
         bool(accumulate),
     )
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only array. numba compiles one specialization per array mutability: passing the
+    index tables always read-only (as the layout caches them) keeps it to the one ``warm`` compiled, instead
+    of compiling new ones, with their time and memory, during the first training step."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def warm() -> None:
@@ -264,8 +275,8 @@ def warm() -> None:
     """
     if _kernel_parallel.signatures and _kernel_serial.signatures:
         return
-    blk = np.zeros((1, 5), np.int64)
-    base = np.zeros(1, np.int64)
+    blk = _readonly(np.zeros((1, 5), np.int64))
+    base = _readonly(np.zeros(1, np.int64))
     f = np.zeros(1, np.float32)
     h = np.zeros(1, np.uint16)
     for kernel in (_kernel_parallel, _kernel_serial):

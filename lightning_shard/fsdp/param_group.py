@@ -116,7 +116,6 @@ class FSDPParamGroup:
         self.is_unsharded = False
         self.pending_all_gather: collectives.CollectiveHandle | None = None
         self.pending_reduce: collectives.CollectiveHandle | None = None
-        self.pending_reduce_accumulate = False
         self.accumulated_grads: list[torch.Tensor | None] | None = None  # no-sync micro-batches
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
@@ -308,9 +307,6 @@ class FSDPParamGroup:
             g = fp.sharded.grad
             if g is None or g._local_tensor.data_ptr() != view.data_ptr():
                 fp.sharded.grad = DTensor(view, fp.sharded._spec, requires_grad=False)
-
-    def sharded_numel(self) -> int:
-        return self.layout.shard_numel
 
 
 def _match_numba_threads_to_torch() -> None:

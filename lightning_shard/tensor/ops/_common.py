@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_shard.tensor.placements import Placement, Replicate, Shard
+from lightning_shard.tensor.placements import Placement, Replicate
 
 REPLICATE = Replicate()
-
-
-def replicate_all(ndim: int) -> tuple[Placement, ...]:
-    return tuple([REPLICATE] * ndim)
 
 
 def normalize_dim(dim: int, ndim: int) -> int:
@@ -19,7 +15,3 @@ def unshard_dims(placements, dims) -> tuple[Placement, ...]:
     """Replace shards on any of ``dims`` and every Partial by Replicate (inputs of ops that mix those dims)."""
     dims = set(dims)
     return tuple(REPLICATE if (p.is_shard() and p.dim in dims) or p.is_partial() else p for p in placements)
-
-
-def shift_shard(p: Placement, delta: int) -> Placement:
-    return Shard(p.dim + delta) if p.is_shard() else p

@@ -113,6 +113,7 @@ class FSDPParamGroup:
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         self._free_unsharded_storage()
         self.grad_flat: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
         self.is_unsharded = False
         self.pending_all_gather: collectives.CollectiveHandle | None = None
         self.pending_reduce: collectives.CollectiveHandle | None = None
@@ -288,24 +289,22 @@ class FSDPParamGroup:
         """Make ``grad_flat`` hold the current ``.grad`` values; return whether post-reduce accumulates."""
         if self.grad_flat is None:
             self.grad_flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.shard_device)
+            # One view per parameter, made once: these are the local tensors of the ``.grad`` DTensors.
+            self.grad_views = [self._local_view(self.grad_flat, i) for i in range(len(self.params))]
         existing = [fp.sharded.grad for fp in self.params]
         if all(g is None for g in existing):
             return False
-        for i, g in enumerate(existing):
-            view = self._local_view(self.grad_flat, i)
+        for g, view in zip(existing, self.grad_views):
             if g is None:
                 view.zero_()
-            elif g._local_tensor.data_ptr() != view.data_ptr() or view.numel() == 0:
+            elif g._local_tensor is not view:
                 view.copy_(g._local_tensor)  # the user replaced .grad: take its values
         return True
 
     def _assign_grads(self) -> None:
-        for i, fp in enumerate(self.params):
-            if not fp.requires_grad:
-                continue
-            view = self._local_view(self.grad_flat, i)
+        for fp, view in zip(self.params, self.grad_views):
             g = fp.sharded.grad
-            if g is None or g._local_tensor.data_ptr() != view.data_ptr():
+            if fp.requires_grad and (g is None or g._local_tensor is not view):
                 fp.sharded.grad = DTensor(view, fp.sharded._spec, requires_grad=False)
 
 

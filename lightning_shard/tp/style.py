@@ -155,27 +155,34 @@ class ColwiseParallel(ParallelStyle):
         return {n: (Shard(dim),) for n, p in module.named_parameters(recurse=False) if p is not None}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = self.planned_placements(module)
-        src = self.src_data_rank
-
-        def prepare_input(mod, inputs, mesh):
-            x = _to_dtensor(inputs[0], mesh, self.input_layouts[0])
-            return (_redistribute(x, self.desired_input_layouts[0]), *inputs[1:])
-
-        def prepare_output(mod, out, mesh):
-            out = _redistribute(out, self.output_layouts[0])
-            return _local(out) if self.use_local_output else out
-
-        return distribute_module(
-            module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
-            prepare_output,
-        )  # fmt: skip
+        return _shard_with_io_layouts(self, module, device_mesh)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
             f"use_local_output={self.use_local_output})"
         )
+
+
+def _shard_with_io_layouts(style, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """Colwise/Rowwise: shard ``module``'s parameters as ``style`` plans, bring the first input from
+    ``input_layouts`` to ``desired_input_layouts`` and the output to ``output_layouts`` (local if asked)."""
+    placements = style.planned_placements(module)
+    src = style.src_data_rank
+    desired = style.desired_input_layouts[0]
+
+    def prepare_input(mod, inputs, mesh):
+        x = _to_dtensor(inputs[0], mesh, style.input_layouts[0])
+        return (_redistribute(x, desired), *inputs[1:])
+
+    def prepare_output(mod, out, mesh):
+        out = _redistribute(out, style.output_layouts[0])
+        return _local(out) if style.use_local_output else out
+
+    return distribute_module(
+        module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
+        prepare_output,
+    )  # fmt: skip
 
 
 class RowwiseParallel(ParallelStyle):
@@ -218,23 +225,8 @@ class RowwiseParallel(ParallelStyle):
         return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = self.planned_placements(module)
-        desired = Shard(-1) if isinstance(module, nn.Linear) else Replicate()
-        self.desired_input_layouts = (desired,)
-        src = self.src_data_rank
-
-        def prepare_input(mod, inputs, mesh):
-            x = _to_dtensor(inputs[0], mesh, self.input_layouts[0])
-            return (_redistribute(x, desired), *inputs[1:])
-
-        def prepare_output(mod, out, mesh):
-            out = _redistribute(out, self.output_layouts[0])
-            return _local(out) if self.use_local_output else out
-
-        return distribute_module(
-            module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
-            prepare_output,
-        )  # fmt: skip
+        self.desired_input_layouts = (Shard(-1) if isinstance(module, nn.Linear) else Replicate(),)
+        return _shard_with_io_layouts(self, module, device_mesh)
 
     __repr__ = ColwiseParallel.__repr__
 

@@ -9,7 +9,9 @@ the growth of the process's peak RSS from just before the model is built; on CUD
 
 ``--json`` writes ``{"ours": {...}, "torch_fsdp2": {...}, "ddp": {...}}`` with ``step_s``, ``peak_mb`` and
 ``comm_bytes`` each (comm bytes per rank and step: the tensors handed to the collectives, i.e. all-gather
-inputs (this rank's shard) + reduce-scatter inputs + all-reduce tensors, as ``lightning_shard.comm`` counts).
+inputs (this rank's shard) + reduce-scatter inputs + all-reduce tensors, as ``lightning_shard.comm`` counts),
+plus on CPU ``library_mb`` (the RSS that loading the engine itself adds: for ours the numba kernels and
+llvmlite, a fixed per-process cost) and ``model_peak_mb`` (``peak_mb`` without it).
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ def _worker(rank: int, world: int, port: int, variant: str, args, out_dir: str) 
     if cuda:
         torch.cuda.set_device(device)
     base_rss = _peak_rss_mb()
+    library_mb = 0.0
+    if not cuda:
+        _load_engine(variant)  # its fixed cost, measured apart from what grows with the model
+        library_mb = _peak_rss_mb() - base_rss
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device)
     model, counter = _setup(variant, model, world, device)
@@ -142,10 +148,33 @@ def _worker(rank: int, world: int, port: int, variant: str, args, out_dir: str) 
             times.append(time.perf_counter() - t0)
             bytes_per_step.append(c.total())
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - base_rss
-    result = {"step_s": statistics.median(times), "peak_mb": peak, "comm_bytes": statistics.median(bytes_per_step)}
+    result = {
+        "step_s": statistics.median(times),
+        "peak_mb": peak,
+        "library_mb": library_mb,
+        "model_peak_mb": peak - library_mb,
+        "comm_bytes": statistics.median(bytes_per_step),
+    }
     with open(os.path.join(out_dir, f"{variant}.{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def _load_engine(variant: str) -> None:
+    """Import the variant's engine and what it loads on first use: fixed per-process costs, not the model's.
+
+    Ours: the numba kernels (llvmlite), and ``torch.distributed.tensor``, which torch 2.13 imports at the first
+    dispatch of any tensor subclass (ours included; ~28 MB of Python objects). torch's FSDP2 imports it too.
+    """
+    if variant == "ours":
+        import torch.distributed.tensor  # noqa: F401
+
+        import lightning_shard.fsdp  # noqa: F401
+        from numba_kernels import GroupLayout
+
+        GroupLayout([(1,)], 1).warm("cpu")
+    elif variant == "torch_fsdp2":
+        import torch.distributed.fsdp  # noqa: F401
 
 
 class _OurCounter:
@@ -242,11 +271,7 @@ def run(args) -> dict:
         for variant in args.variants:
             mp.spawn(_worker, args=(args.world_size, _free_port(), variant, args, out_dir), nprocs=args.world_size)
             ranks = [_read_json(os.path.join(out_dir, f"{variant}.{r}.json")) for r in range(args.world_size)]
-            results[variant] = {
-                "step_s": max(r["step_s"] for r in ranks),
-                "peak_mb": max(r["peak_mb"] for r in ranks),
-                "comm_bytes": max(r["comm_bytes"] for r in ranks),
-            }
+            results[variant] = {k: max(r[k] for r in ranks) for k in ranks[0]}
             print(variant, results[variant], flush=True)
     return results
 
@@ -270,7 +295,8 @@ def main() -> None:
     if "ours" in results:
         for other in ("torch_fsdp2", "ddp"):
             if other in results:
-                r = {k: results["ours"][k] / results[other][k] for k in ("step_s", "peak_mb") if results[other][k]}
+                keys = ("step_s", "peak_mb", "model_peak_mb")
+                r = {k: results["ours"][k] / results[other][k] for k in keys if results[other][k]}
                 print(f"ours / {other}: " + ", ".join(f"{k} {v:.3f}x" for k, v in r.items()))
     if args.json:
         with open(args.json, "w") as f:

@@ -12,7 +12,10 @@ For every op this times, on the same buffers:
 
 GB/s = (bytes read + bytes written by a single ideal pass) / seconds, the same byte count for all three
 impls; the median of ``--reps`` repetitions after warm-up, the three impls timed round-robin so that
-background load on a shared machine hits them alike.
+background load on a shared machine hits them alike (``--schedule interleaved``, the default), or each
+impl's repetitions back to back (``--schedule blocked``). The two differ on CPU: after a multi-threaded
+torch op, torch's OpenMP worker threads keep spinning for a while and take cores from the numba worker
+threads that run next, so interleaving charges that to ours; blocked timing shows each impl on its own.
 
 Usage::
 
@@ -52,8 +55,10 @@ def group_shapes(total_bytes: int, n: int = 16, seed: int = 0) -> list[tuple[int
     return shapes
 
 
-def time_interleaved(device: str, fns: list[Callable[[], object]], reps: int, warmup: int = 1) -> list[float]:
-    """Median seconds of each fn, measured round-robin (A B C A B C ...).
+def time_interleaved(
+    device: str, fns: list[Callable[[], object]], reps: int, warmup: int = 1, blocked: bool = False
+) -> list[float]:
+    """Median seconds of each fn, measured round-robin (A B C A B C ...), or ``blocked`` (A A .. B B .. C C ..).
 
     Interleaving matters on a shared machine: a burst of someone else's load hits
     every impl alike instead of whichever happened to run during it.
@@ -64,19 +69,19 @@ def time_interleaved(device: str, fns: list[Callable[[], object]], reps: int, wa
     times: list[list[float]] = [[] for _ in fns]
     if device == "cuda":
         torch.cuda.synchronize()
-    for _ in range(reps):
-        for k, fn in enumerate(fns):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[k].append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
+    order = [k for k in range(len(fns)) for _ in range(reps)] if blocked else list(range(len(fns))) * reps
+    for k in order:
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[k]()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
 
 
@@ -88,6 +93,7 @@ def bench_group(
     reduce_dtype: torch.dtype,
     reps: int,
     label: str,
+    blocked: bool = False,
 ) -> list[dict]:
     layout = nk.GroupLayout(shapes, ws)
     layout.warm(device, param_dtype, reduce_dtype)
@@ -104,7 +110,7 @@ def bench_group(
         copy_src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         copy_dst = torch.empty_like(copy_src)
         cases = (("ours", ours), ("torch", torch_path), ("copy", lambda: copy_dst.copy_(copy_src)))
-        secs = time_interleaved(device, [fn for _, fn in cases], reps)
+        secs = time_interleaved(device, [fn for _, fn in cases], reps, blocked=blocked)
         for (impl, _), sec in zip(cases, secs):
             rows.append(
                 {
@@ -116,6 +122,7 @@ def bench_group(
                     "gbps": nbytes / sec / 1e9,
                     "case": label,
                     "world_size": ws,
+                    "schedule": "blocked" if blocked else "interleaved",
                 }
             )
 
@@ -191,6 +198,7 @@ def main() -> None:
     p.add_argument("--sizes", choices=("small", "all"), default="all", help="small: skip the 1 GB group")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--schedule", choices=("interleaved", "blocked"), default="interleaved")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args()
 
@@ -204,13 +212,16 @@ def main() -> None:
         ("fp32", torch.float32, torch.float32),  # same dtype: no cast anywhere
     ]
     rows: list[dict] = []
-    print(f"torch threads={torch.get_num_threads()} numba threads={nk.cpu.num_threads()}  ws={args.world_size}")
+    print(
+        f"torch threads={torch.get_num_threads()} numba threads={nk.cpu.num_threads()}  ws={args.world_size}  "
+        f"schedule={args.schedule}"
+    )
     for device in devices:
         for gname, shapes in groups:
             for dname, pdt, rdt in dtype_cases:
                 label = f"{gname} {dname}"
                 reps = args.reps if gname == "64MB" else max(3, args.reps // 3)
-                new = bench_group(shapes, args.world_size, device, pdt, rdt, reps, label)
+                new = bench_group(shapes, args.world_size, device, pdt, rdt, reps, label, args.schedule == "blocked")
                 rows.extend(new)
                 by = {(r["op"], r["impl"]): r for r in new}
                 for op in OPS:

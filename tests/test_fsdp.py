@@ -113,6 +113,50 @@ def test_gradient_accumulation_without_sync_communicates_once():
     assert max_diff(full_state(model), full_state(ref)) < 1e-5
 
 
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+
+
+@distributed(world_size=2)
+def test_gradients_freed_by_zero_grad_and_accumulated_without_it():
+    (x1, y1), (x2, y2) = batches(2, 8)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    _shard(model, _dp_mesh())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [m._fsdp_state.group for m in [*model.blocks, model]]
+    opt = make_optimizer(model, 0.1, "sgd")
+
+    def backward(x, y):
+        loss_fn(model, rank_slice(x, rank, world), rank_slice(y, rank, world)).backward()
+        loss_fn(ref, x, y).backward()
+
+    def assert_grads_match():
+        ours, want = _full_grads(model), _full_grads(ref)
+        assert (
+            max_diff({k: v for k, v in ours.items() if v is not None}, {k: v for k, v in want.items() if v is not None})
+            < 1e-6
+        )
+
+    backward(x1, y1)  # the reduce-scatter writes straight into the gradient buffer
+    assert_grads_match()
+    backward(x2, y2)  # no zero_grad: the second reduce is added to the first
+    assert_grads_match()
+    opt.zero_grad(set_to_none=False)  # zeroed views into the buffer: kept, accumulated into
+    ref.zero_grad(set_to_none=False)
+    kept = [g.grad_flat for g in groups]
+    backward(x2, y2)
+    assert_grads_match()
+    assert all(g.grad_flat is k for g, k in zip(groups, kept))
+    opt.zero_grad()  # set_to_none: the next forward frees the buffer, as torch frees its gradients
+    ref.zero_grad()
+    loss = loss_fn(model, rank_slice(x1, rank, world), rank_slice(y1, rank, world))
+    assert all(g.grad_flat is None for g in groups)
+    loss.backward()
+    loss_fn(ref, x1, y1).backward()
+    assert_grads_match()
+
+
 @distributed(world_size=2)
 def test_collective_counts_per_step():
     x, y = batches(1, 4)[0]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_shard import comm
+from lightning_shard.fsdp import buffers
 from numba_kernels import GroupLayout, all_gather_copy_in, all_gather_copy_out, post_reduce, reduce_scatter_copy_in
 
 
@@ -51,7 +52,7 @@ def start_all_gather(
     device: torch.device,
 ) -> CollectiveHandle:
     """Issue the all-gather of one group's flat shard; returns the (world_size, shard_numel) output handle."""
-    output = torch.empty((layout.world_size, layout.shard_numel), dtype=compute_dtype, device=device)
+    output = buffers.empty((layout.world_size, layout.shard_numel), compute_dtype, device)
     if shard_flat.dtype == compute_dtype and shard_flat.device == device:
         inp = shard_flat  # no copy-in at all: the shard buffer is the all-gather input
     else:
@@ -75,11 +76,16 @@ def start_reduce_scatter(
     reduce_dtype: torch.dtype,
     device: torch.device,
     predivide: float | None,
+    output: torch.Tensor | None = None,
 ) -> CollectiveHandle:
-    """Stage the unsharded gradients (pad, pre-divide, cast in one kernel) and issue the reduce-scatter."""
-    staged = torch.empty((layout.world_size, layout.shard_numel), dtype=reduce_dtype, device=device)
+    """Stage the unsharded gradients (pad, pre-divide, cast in one kernel) and issue the reduce-scatter.
+
+    ``output``: where the reduced shard goes (e.g. the sharded gradient buffer itself); default a new buffer.
+    """
+    staged = buffers.empty((layout.world_size, layout.shard_numel), reduce_dtype, device)
     reduce_scatter_copy_in(layout, grads, staged, predivide=predivide)
-    output = torch.empty(layout.shard_numel, dtype=reduce_dtype, device=device)
+    if output is None:
+        output = buffers.empty(layout.shard_numel, reduce_dtype, device)
     work = comm.reduce_scatter_into(output, staged.view(-1), group, "sum", async_op=True)
     return CollectiveHandle(work, output, staged)
 
@@ -92,10 +98,17 @@ def finish_reduce_scatter(
     accumulate: bool,
     replicate_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Wait for the reduce-scatter [all-reduce across replicas], then divide/upcast/accumulate in one kernel."""
+    """Wait for the reduce-scatter [all-reduce across replicas], then divide/upcast/accumulate in one kernel.
+
+    When the reduce-scatter wrote into ``grad_flat`` itself, only the post-divide is left (in place).
+    """
     reduced = handle.wait()
     if replicate_group is not None:
         comm.all_reduce(reduced, replicate_group, "sum")
+    if reduced is grad_flat:
+        if postdivide is not None:
+            post_reduce(layout, grad_flat, grad_flat, postdivide=postdivide)  # element-wise: safe in place
+        return
     if reduced.device != grad_flat.device:
         reduced = reduced.to(grad_flat.device)  # CPU offload: gradients live on CPU
     post_reduce(layout, reduced, grad_flat, postdivide=postdivide, accumulate=accumulate)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.fsdp import collectives
+from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from lightning_shard.mesh import DeviceMesh
@@ -209,6 +209,7 @@ class FSDPParamGroup:
         handle, self.pending_all_gather = self.pending_all_gather, None
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.layout.unsharded_numel * self.unsharded_flat.element_size())
+        buffers.advise_huge_pages(storage)
         collectives.finish_all_gather(self.layout, handle, self.unsharded_flat)
         for fp, view in zip(self.params, self._unsharded_views()):
             fp.set_on_modules(view)
@@ -267,15 +268,34 @@ class FSDPParamGroup:
         self.finish_reduce()  # at most one reduce-scatter in flight per group
         predivide, _ = self._divide_factors()
         self.pending_reduce = collectives.start_reduce_scatter(
-            self.layout, grads, self.mesh_info.shard_group, self.reduce_dtype, self.device, predivide
+            self.layout,
+            grads,
+            self.mesh_info.shard_group,
+            self.reduce_dtype,
+            self.device,
+            predivide,
+            output=self._direct_reduce_output(),
         )
+
+    def _direct_reduce_output(self) -> torch.Tensor | None:
+        """The sharded gradient buffer, when the reduce-scatter can write the gradients into it directly.
+
+        That needs no cast (reduce dtype = parameter dtype), no CPU offload and no earlier gradient to
+        accumulate into. It saves a shard-sized temporary at the end of each group's backward, where the
+        step's memory peaks (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient).
+        """
+        if self.reduce_dtype != self.orig_dtype or self.shard_device != self.device:
+            return None
+        if any(fp.sharded.grad is not None for fp in self.params):
+            return None
+        return self._ensure_grad_flat()
 
     def finish_reduce(self) -> None:
         """Wait for the in-flight reduce-scatter and fold it into the sharded ``.grad`` DTensors."""
         if self.pending_reduce is None:
             return
         handle, self.pending_reduce = self.pending_reduce, None
-        accumulate = self._prepare_grad_flat()
+        accumulate = handle.output is not self.grad_flat and self._prepare_grad_flat()
         _, postdivide = self._divide_factors()
         collectives.finish_reduce_scatter(
             self.layout, handle, self.grad_flat, postdivide, accumulate, self.mesh_info.replicate_group
@@ -285,12 +305,27 @@ class FSDPParamGroup:
     def _divide_factors(self) -> tuple[float | None, float | None]:
         return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)
 
-    def _prepare_grad_flat(self) -> bool:
-        """Make ``grad_flat`` hold the current ``.grad`` values; return whether post-reduce accumulates."""
+    def release_cleared_grads(self) -> None:
+        """Free the sharded gradient buffer once every ``.grad`` is None (``optimizer.zero_grad()``).
+
+        torch frees its sharded gradients there too; keeping ours would hold a whole gradient shard through the
+        next forward and backward, the peak of the step. The next reduce-scatter allocates a new buffer.
+        """
+        if self.grad_flat is not None and all(fp.sharded.grad is None for fp in self.params):
+            self.grad_flat = None
+            self.grad_views = []
+
+    def _ensure_grad_flat(self) -> torch.Tensor:
         if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.shard_device)
+            # Uninitialised is fine: the reduce (or post-reduce without accumulation) writes every element.
+            self.grad_flat = buffers.empty(self.layout.shard_numel, self.orig_dtype, self.shard_device)
             # One view per parameter, made once: these are the local tensors of the ``.grad`` DTensors.
             self.grad_views = [self._local_view(self.grad_flat, i) for i in range(len(self.params))]
+        return self.grad_flat
+
+    def _prepare_grad_flat(self) -> bool:
+        """Make ``grad_flat`` hold the current ``.grad`` values; return whether post-reduce accumulates."""
+        self._ensure_grad_flat()
         existing = [fp.sharded.grad for fp in self.params]
         if all(g is None for g in existing):
             return False

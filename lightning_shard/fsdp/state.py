@@ -112,6 +112,7 @@ class FSDPState:
         for state in self.all_states:  # a forward after a backward that ended early (e.g. an exception)
             if state.group is not None:
                 state.group.finish_reduce()
+                state.group.release_cleared_grads()
         self.forward_order = []
 
     def _post_forward(self, module: nn.Module, args: tuple, output):

@@ -345,6 +345,45 @@ def test_explicit_unshard_reshard_and_prefetch():
 
 
 @distributed(world_size=2)
+def test_forward_prefetch_by_default_and_unused_prefetch_dropped():
+    data = batches(4, 4)
+    model = make_model(n_blocks=3)
+    ref = copy.deepcopy(model)
+    _shard(model, _dp_mesh())
+    blocks, ref_blocks = list(model.blocks), list(ref.blocks)
+    group2 = blocks[2]._fsdp_state.group
+    seen = []
+    # Runs after FSDP's own pre-forward hook (prepended): block 1 is unsharded, block 2's gather may be started.
+    blocks[1].register_forward_pre_hook(lambda m, a: seen.append(group2.pending_all_gather is not None))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = [make_optimizer(m, 0.1, "sgd") for m in (model, ref)]
+    after_forward = []
+
+    def step(x, y):
+        for m, opt, xb, yb in (
+            (model, opts[0], rank_slice(x, rank, world), rank_slice(y, rank, world)),
+            (ref, opts[1], x, y),
+        ):
+            opt.zero_grad()
+            loss = loss_fn(m, xb, yb)
+            if m is model:
+                after_forward.append((group2.pending_all_gather is not None, group2.is_unsharded))
+            loss.backward()
+            opt.step()
+
+    step(*data[0])
+    assert seen == [False]  # first step: no forward order recorded yet
+    step(*data[1])
+    assert seen == [False, True]  # block 1's forward started block 2's all-gather
+    model.blocks, ref.blocks = nn.ModuleList(blocks[:2]), nn.ModuleList(ref_blocks[:2])  # block 2 skipped
+    step(*data[2])
+    assert after_forward[-1] == (False, False)  # the unused prefetch was dropped when forward ended
+    model.blocks, ref.blocks = nn.ModuleList(blocks), nn.ModuleList(ref_blocks)
+    step(*data[3])  # block 2 must be gathered afresh, after the optimizer steps in between
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+@distributed(world_size=2)
 def test_meta_init_materialised_shard_by_shard():
     with torch.device("meta"):
         model = make_model()

@@ -85,7 +85,8 @@ class FSDPModule:
             state.reshard_after_forward = reshard_after_forward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Start these modules' all-gathers when this module's forward starts."""
+        """Start these modules' all-gathers when this module's forward starts (default: the module that ran
+        forward next in the previous step; ``[]`` turns forward prefetch off for this module)."""
         self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:

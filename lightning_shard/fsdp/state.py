@@ -8,9 +8,11 @@ found at the first forward) queues a callback at the end of backward that finish
 reduce-scatters groups whose post-backward never fired (inputs that did not require grad), waits for the
 in-flight reduce-scatters and reshards, so nothing leaks into the next step.
 
-Prefetch: in backward, each group starts the all-gather of the group that runs backward next (reverse of
-the recorded forward order) unless ``set_modules_to_backward_prefetch`` says otherwise; in forward, only
-the modules named by ``set_modules_to_forward_prefetch`` are prefetched.
+Prefetch: in forward, each group starts the all-gather of the group that ran forward after it in the
+previous step (the first step has no recorded order, so nothing is prefetched); in backward, the group that
+runs backward next (reverse of the recorded forward order). ``set_modules_to_forward_prefetch`` and
+``set_modules_to_backward_prefetch`` replace these defaults. A forward prefetch that the forward did not use
+(a module skipped this step) is dropped when the root's forward ends, so it can never serve stale values.
 
 Example: see ``lightning_shard.fsdp.fully_shard``.
 """
@@ -52,8 +54,9 @@ class FSDPState:
         self.is_root: bool | None = None
         self.all_states: list[FSDPState] = []  # root only: every state in its tree, in module order
         self.forward_order: list[FSDPState] = []  # root only: order of first pre-forward this step
+        self.last_forward_order: list[FSDPState] = []  # root only: the previous step's, for forward prefetch
         self.training_state = TrainingState.IDLE
-        self.forward_prefetch: list[FSDPState] = []
+        self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.post_backward_done = False
         self.root: FSDPState | None = None
@@ -99,7 +102,7 @@ class FSDPState:
             self.root.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
-            for state in self.forward_prefetch:
+            for state in self._forward_prefetch_targets():
                 if state.group is not None:
                     state.group.start_unshard()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -113,11 +116,31 @@ class FSDPState:
             if state.group is not None:
                 state.group.finish_reduce()
                 state.group.release_cleared_grads()
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
         self.forward_order = []
+
+    def _forward_prefetch_targets(self) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = (self.root or self).last_forward_order
+        if self in order:
+            i = order.index(self)
+            return order[i + 1 : i + 2]
+        return []
+
+    def _drop_unused_prefetches(self) -> None:
+        """Root, end of forward: wait for and drop all-gathers that forward prefetched but never used."""
+        for state in self.all_states:
+            group = state.group
+            if group is not None and group.pending_all_gather is not None and not group.is_unsharded:
+                group.reshard()
 
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if self.summoned:
             return output
+        if self.is_root:
+            self._drop_unused_prefetches()
         grad = torch.is_grad_enabled()
         # The root's parameters would be all-gathered again right away for backward: keep them (as torch does).
         # Without grad no backward comes, so always free them.

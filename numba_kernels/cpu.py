@@ -77,8 +77,8 @@ def _bits_to_f32(typingctx, u):
 @intrinsic
 def _copy_elements(typingctx, dst, dst_start, src, src_start, n):
     """``dst[dst_start : dst_start + n] = src[src_start : src_start + n]`` (same dtype) through libc's
-    ``memcpy``, which picks the fastest way for the size (wide and, for large copies, non-temporal stores:
-    measured 1.4x our explicit element loop). Lowered to the ``llvm.memcpy`` intrinsic, which links to the
+    ``memcpy``, which picks the fastest stores for the size (one thread, 12.6 MB: libc's memcpy 0.81 ms,
+    our earlier element loop 1.15 ms). Lowered to the ``llvm.memcpy`` intrinsic, which links to the
     ``memcpy`` symbol by name, so the kernel stays cacheable on disk."""
     sig = types.void(dst, types.int64, src, types.int64, types.int64)
 

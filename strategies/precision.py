@@ -50,7 +50,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        found = torch.zeros(1, device=found_inf.device)
+        found = torch.zeros_like(found_inf)  # 0-dim in torch's GradScaler
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -61,7 +61,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 g.mul_(inv_scale.to(g.device))
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        found_inf.copy_(found.to(found_inf.device))
+        found_inf.copy_(found)
         return {found_inf.device: found_inf}
 
 

@@ -121,13 +121,7 @@ class FSDPState:
         self.forward_order = []
 
     def _forward_prefetch_targets(self) -> list[FSDPState]:
-        if self.forward_prefetch is not None:
-            return self.forward_prefetch
-        order = (self.root or self).last_forward_order
-        if self in order:
-            i = order.index(self)
-            return order[i + 1 : i + 2]
-        return []
+        return _prefetch_targets(self, self.forward_prefetch, (self.root or self).last_forward_order, +1)
 
     def _drop_unused_prefetches(self) -> None:
         """Root, end of forward: wait for and drop all-gathers that forward prefetched but never used."""
@@ -185,13 +179,7 @@ class FSDPState:
         return grad
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        order = (self.root or self).forward_order
-        if self in order:
-            i = order.index(self)
-            return [order[i - 1]] if i > 0 else []
-        return []
+        return _prefetch_targets(self, self.backward_prefetch, (self.root or self).forward_order, -1)
 
     def _queue_final_callback(self) -> None:
         if getattr(self, "_callback_queued", False):
@@ -227,6 +215,18 @@ class FSDPState:
                     group.reshard()
             state.training_state = TrainingState.IDLE
             state.post_backward_done = False
+
+
+def _prefetch_targets(
+    state: FSDPState, explicit: list[FSDPState] | None, order: list[FSDPState], step: int
+) -> list[FSDPState]:
+    """``explicit`` if the user set it, else the state ``step`` places from ``state`` in ``order`` (if any)."""
+    if explicit is not None:
+        return explicit
+    if state not in order:
+        return []
+    j = order.index(state) + step
+    return [order[j]] if 0 <= j < len(order) else []
 
 
 class _PostBackward(torch.autograd.Function):

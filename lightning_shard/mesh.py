@@ -137,6 +137,31 @@ class DeviceMesh:
         child._root = self._root or self
         return child
 
+    def split_group(self, mesh_dim: int | str | None, size: int) -> dist.ProcessGroup:
+        """The group of this rank's ``size`` consecutive neighbours along ``mesh_dim``.
+
+        ``mesh_dim`` is cut into blocks of ``size`` ranks (FSDP resharding to the ranks of one node after
+        forward). Every such group of the root mesh is created, in the same order on every rank, and cached.
+
+        Example: on ``init_device_mesh("cpu", (4,))``, ``split_group(0, 2)`` is ranks {0, 1} or {2, 3}.
+        """
+        dim = self._dim_or_only(mesh_dim, "split_group")
+        n = self.mesh.shape[dim]
+        if size < 1 or n % size:
+            raise ValueError(f"DeviceMesh.split_group: size {size} does not divide mesh dimension {dim} of size {n}")
+        root = self.root_mesh
+        root_dim = root._dim_index(self.mesh_dim_names[dim]) if root is not self else dim
+        blocks = root.mesh.movedim(root_dim, -1).reshape(-1, size).tolist()
+        key = ("split", id(dist.group.WORLD), dist.get_world_size(), tuple(map(tuple, blocks)))
+        if key not in _GROUP_CACHE:
+            mine = None
+            for ranks in blocks:
+                group = dist.new_group(ranks)
+                if self._rank in ranks:
+                    mine = group
+            _GROUP_CACHE[key] = mine
+        return _GROUP_CACHE[key]
+
     @property
     def root_mesh(self) -> DeviceMesh:
         """The mesh this one was sliced from (itself if it was not sliced), e.g. to combine the

@@ -452,6 +452,44 @@ def test_four_ranks_uneven_parity():
 
 
 @distributed(world_size=4)
+def test_reshard_after_forward_to_two_ranks_parity_memory_and_communication():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    data = batches(3, 8)
+    model = make_model()
+    ref, _ = train_reference(model, data)
+    theirs = copy.deepcopy(model)
+    mesh = _dp_mesh()
+    _shard(model, mesh, reshard_after_forward=2)
+    for block in theirs.blocks:
+        torch_fully_shard(block, mesh=mesh.to_torch(), reshard_after_forward=2)
+    torch_fully_shard(theirs, mesh=mesh.to_torch(), reshard_after_forward=2)
+
+    # One step watched: between forward and backward each block holds a 2-way shard (not its unsharded
+    # parameters), and its backward all-gather sends that 2-way shard (over its 2-rank group).
+    probe = _shard(make_model(), mesh, reshard_after_forward=2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = data[0]
+    blocks = [b._fsdp_state.group for b in probe.blocks]
+    root = probe._fsdp_state.group
+    with comm.count_collectives() as counts:
+        loss = loss_fn(probe, rank_slice(x, rank, world), rank_slice(y, rank, world))
+        for g in blocks:
+            assert g.post_forward.held and g.unsharded_flat.untyped_storage().nbytes() == 0
+            assert g.post_forward.layout.world_size == 2
+        loss.backward()
+    four_way = sum(g.layout.shard_numel for g in blocks) + root.layout.shard_numel
+    two_way = sum(g.post_forward.layout.shard_numel for g in blocks)
+    assert counts.bytes["all_gather"] == 4 * (four_way + two_way)  # fp32
+    assert not any(g.post_forward.held for g in blocks) and _storage_freed(probe)
+
+    _train(model, data)
+    _train(theirs, data)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+    assert max_diff(full_state(model), full_state(theirs)) < 1e-5
+
+
+@distributed(world_size=4)
 def test_hsdp_two_by_two_parity():
     data = batches(3, 8)
     model = make_model()

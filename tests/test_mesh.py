@@ -165,3 +165,19 @@ def test_submesh_remembers_its_root():
     assert mesh.root_mesh is mesh
     assert mesh["data_parallel"].root_mesh is mesh and mesh["tensor_parallel"].root_mesh is mesh
     assert mesh["tensor_parallel", "data_parallel"].root_mesh is mesh
+
+
+@distributed(world_size=4)
+def test_split_group_blocks_of_neighbours_on_a_full_and_a_sliced_mesh():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("data_parallel",))
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.split_group("data_parallel", 2))
+    assert t.item() == (1.0 if rank < 2 else 5.0)  # {0, 1} or {2, 3}
+    # On a slice, the blocks follow the slice's line of the root mesh: dp lines of (dp=2, tp=2) are [0,2], [1,3].
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh2["data_parallel"].split_group(0, 2))
+    assert t.item() == (2.0 if rank in (0, 2) else 4.0)
+    with pytest.raises(ValueError, match="size 3 does not divide"):
+        mesh.split_group(0, 3)

@@ -79,10 +79,10 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` after construction."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` after construction (as in ``fully_shard``; call on every rank)."""
         for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+            _set_reshard(state, reshard_after_forward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Start these modules' all-gathers when this module's forward starts (default: the module that ran
@@ -137,7 +137,9 @@ def fully_shard(
     across modules). ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
     Parameters become our DTensors ``Shard(0)`` (``(Replicate(), Shard(0))`` on a 2-D mesh); buffers stay
     plain and replicated. ``reshard_after_forward`` frees unsharded parameters after forward (True) or keeps
-    them until after backward (False); an int must be 1 (False) or the shard-group size (True).
+    them until after backward (False); an int ``k`` keeps a ``k``-way shard after forward, so the backward
+    all-gather runs over ``k`` neighbouring ranks only (e.g. one node's GPUs; see ``post_forward.py``);
+    ``k`` must divide the shard-group size (1 = False, the group size = True).
 
     Example::
 
@@ -147,12 +149,13 @@ def fully_shard(
     _check_modules(modules)
     mesh = mesh if mesh is not None else _default_mesh(modules)
     mesh_info = MeshInfo(_check_mesh(mesh))
-    reshard = _normalize_reshard(reshard_after_forward, mesh_info)
+    _normalize_reshard(reshard_after_forward, mesh_info)  # bad values fail before anything changes
     device = _mesh_device(mesh)
     ignored = {id(p) for p in (ignored_params or ())}
     params, originals = _collect_params(modules, ignored, device, mesh)
     group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
-    state = FSDPState(modules, group, mp_policy, reshard)
+    state = FSDPState(modules, group, mp_policy, reshard_after_forward=True)
+    _set_reshard(state, reshard_after_forward, mesh_info)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
@@ -205,15 +208,29 @@ def _check_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def _normalize_reshard(value: bool | int, mesh_info: MeshInfo) -> bool:
+def _normalize_reshard(value: bool | int, mesh_info: MeshInfo) -> bool | int:
+    """True, False, or the post-forward shard size ``k`` (``1 < k < shard-group size``)."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (1, mesh_info.shard_size):
-        return value == mesh_info.shard_size and value != 1
+    n = mesh_info.shard_size
+    if isinstance(value, int) and value >= 1 and n % value == 0:
+        return False if value == 1 else True if value == n else value
     raise ValueError(
-        f"fully_shard: reshard_after_forward={value!r}; use True, False, 1 (= False) or the shard-group size "
-        f"{mesh_info.shard_size} (= True). Resharding to a smaller group is not supported yet."
+        f"fully_shard: reshard_after_forward={value!r}; use True, False, or an int that divides the shard-group "
+        f"size {n} (1 = False, {n} = True, in between: keep that many-way shard for backward)"
     )
+
+
+def _set_reshard(state: FSDPState, value: bool | int, mesh_info: MeshInfo | None = None) -> None:
+    if state.group is None:
+        state.reshard_after_forward = bool(value)
+        return
+    normalized = _normalize_reshard(value, mesh_info or state.group.mesh_info)
+    state.reshard_after_forward = bool(normalized)
+    size = None if isinstance(normalized, bool) else normalized
+    current = state.group.post_forward
+    if (current.layout.world_size if current is not None else None) != size:
+        state.group.configure_post_forward(size)
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -12,7 +12,7 @@ NCCL runs them on its own stream, so compute overlaps with communication until `
 Example::
 
     handle = start_all_gather(layout, shard_flat, rank, group, torch.bfloat16, device)
-    finish_all_gather(layout, handle, unsharded_flat)
+    finish_all_gather(handle, unsharded_flat)
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from numba_kernels import GroupLayout, all_gather_copy_in, all_gather_copy_out, 
 
 @dataclass
 class CollectiveHandle:
-    """An in-flight collective and the buffers it uses (kept alive until ``wait()``)."""
+    """An in-flight collective, the buffers it uses (kept alive until ``wait()``) and, for an all-gather, the
+    layout of what it gathers."""
 
     work: object | None
     output: torch.Tensor
     input: torch.Tensor | None = None
+    layout: GroupLayout | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -60,13 +62,13 @@ def start_all_gather(
         all_gather_copy_in(layout, src, output, rank)  # cast fused into the copy into our slot
         inp = output[rank]
     work = comm.all_gather_into(output.view(-1), inp, group, async_op=True)
-    return CollectiveHandle(work, output, inp)
+    return CollectiveHandle(work, output, inp, layout)
 
 
-def finish_all_gather(layout: GroupLayout, handle: CollectiveHandle, unsharded_flat: torch.Tensor) -> None:
+def finish_all_gather(handle: CollectiveHandle, unsharded_flat: torch.Tensor) -> None:
     """Wait for the all-gather and copy the gathered shards into the unsharded flat buffer (one kernel)."""
     gathered = handle.wait()
-    all_gather_copy_out(layout, gathered, unsharded_flat)
+    all_gather_copy_out(handle.layout, gathered, unsharded_flat)
 
 
 def start_reduce_scatter(

@@ -28,6 +28,7 @@ from torch import nn
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from lightning_shard.fsdp.post_forward import PostForwardShard
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor, Replicate, Shard, StridedShard
 from lightning_shard.tensor.spec import DTensorSpec
@@ -120,6 +121,7 @@ class FSDPParamGroup:
         self.accumulated_grads: list[torch.Tensor | None] | None = None  # no-sync micro-batches
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
+        self.post_forward: PostForwardShard | None = None  # reshard_after_forward=<int> (configure_post_forward)
         if device.type != "meta":
             self.layout.warm(device, self.compute_dtype, self.reduce_dtype)
         if device.type == "cpu":
@@ -183,8 +185,25 @@ class FSDPParamGroup:
         for fp in self.params:
             fp.unsharded = None
         self.grad_flat = None
+        if self.post_forward is not None:  # its views point into the old unsharded buffer
+            self.configure_post_forward(self.post_forward.layout.world_size)
         if device.type != "meta":
             self.layout.warm(self.device, self.compute_dtype, self.reduce_dtype)
+
+    def configure_post_forward(self, size: int | None) -> None:
+        """Keep a ``size``-way shard from forward to backward (``reshard_after_forward=size``); None: do not.
+
+        Collective (creates the process groups of ``size`` neighbouring ranks): call it on every rank.
+        """
+        self.post_forward = None
+        if size is None:
+            return
+        info = self.mesh_info
+        group = info.mesh.split_group(info.shard_dim, size)
+        shapes = [fp.shape for fp in self.params]
+        self.post_forward = PostForwardShard(
+            shapes, size, group, info.shard_rank % size, self.compute_dtype, self.unsharded_flat.device
+        )
 
     # ------------------------------------------------------------------ unshard / reshard
     def start_unshard(self) -> None:
@@ -192,6 +211,9 @@ class FSDPParamGroup:
         if self.is_unsharded or self.pending_all_gather is not None:
             return
         self._check_materialized()
+        if self.post_forward is not None and self.post_forward.held:
+            self.pending_all_gather = self.post_forward.start_all_gather()
+            return
         self.pending_all_gather = collectives.start_all_gather(
             self.layout,
             self.shard_flat,
@@ -210,7 +232,9 @@ class FSDPParamGroup:
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.layout.unsharded_numel * self.unsharded_flat.element_size())
         buffers.advise_huge_pages(storage)
-        collectives.finish_all_gather(self.layout, handle, self.unsharded_flat)
+        collectives.finish_all_gather(handle, self.unsharded_flat)
+        if self.post_forward is not None:
+            self.post_forward.release()
         for fp, view in zip(self.params, self._unsharded_views()):
             fp.set_on_modules(view)
         self.is_unsharded = True
@@ -226,11 +250,20 @@ class FSDPParamGroup:
             views.append(fp.unsharded)
         return views
 
-    def reshard(self) -> None:
-        """Point the modules back at the sharded DTensors and free the unsharded storage."""
+    def reshard(self, keep_post_forward_shard: bool = False) -> None:
+        """Point the modules back at the sharded DTensors and free the unsharded storage.
+
+        ``keep_post_forward_shard`` (after forward, with ``configure_post_forward``): first keep this rank's
+        ``size``-way slice for the backward all-gather. Otherwise a held slice is dropped too.
+        """
         if self.pending_all_gather is not None:  # a prefetch that was never used
             self.pending_all_gather.wait()
             self.pending_all_gather = None
+        if self.post_forward is not None:
+            if not keep_post_forward_shard:
+                self.post_forward.release()
+            elif self.is_unsharded:
+                self.post_forward.keep(self.unsharded_flat, self.layout)
         if not self.is_unsharded:
             return
         for fp in self.params:

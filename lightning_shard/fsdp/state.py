@@ -116,6 +116,8 @@ class FSDPState:
             if state.group is not None:
                 state.group.finish_reduce()
                 state.group.release_cleared_grads()
+                if state.group.post_forward is not None:  # from a forward whose backward never ran
+                    state.group.post_forward.release()
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
@@ -139,7 +141,7 @@ class FSDPState:
         # The root's parameters would be all-gathered again right away for backward: keep them (as torch does).
         # Without grad no backward comes, so always free them.
         if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root)):
-            self.group.reshard()
+            self.group.reshard(keep_post_forward_shard=grad)  # only kept with reshard_after_forward=<int>
         self.training_state = TrainingState.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)

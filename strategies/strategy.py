@@ -74,7 +74,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice, or 1 without one).
         fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
-        reshard_after_forward: free gathered parameters after forward (overridden by ``sharding_strategy``).
+        reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
+            k-way shard for a backward all-gather over k neighbouring ranks (int k; see ``fully_shard``).
+            ``sharding_strategy`` names without resharding override it.
         cpu_offload: keep sharded parameters, gradients and optimizer state on CPU.
         state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file) for checkpoints.
         sharding_strategy: FSDP1's names, so Lightning ``FSDPStrategy`` users switch by one string.
@@ -94,7 +96,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         tensor_parallel_size: int | Literal["auto"] = 1,
         fsdp_unit: str | set[type] | Callable[[nn.Module], bool] = "auto",
         tp_plan: str | dict | None = "auto",
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharding_strategy: str = "FULL_SHARD",
@@ -128,7 +130,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.tp_plan = tp_plan
         self.sharding_strategy = sharding_strategy
         hybrid, reshard, _ = _SHARDING[sharding_strategy]
-        self.reshard_after_forward = reshard_after_forward and reshard
+        self.reshard_after_forward = reshard_after_forward if reshard else False
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
         self.activation_checkpointing_policy = activation_checkpointing_policy

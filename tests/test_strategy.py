@@ -125,6 +125,16 @@ def test_fsdp_times_tp_on_four_ranks():
     assert _max_diff(module, reference_params(3, world=2, arch="llama")) < 1e-5
 
 
+@distributed(world_size=4)
+def test_reshard_after_forward_to_two_of_four_ranks():
+    module = LitGPT()
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(reshard_after_forward=2), max_steps=3)
+    trainer.fit(module)
+    blocks = [m for m in module.modules() if getattr(m, "_fsdp_state", None) is not None and m is not module]
+    assert blocks and all(b._fsdp_state.group.post_forward.layout.world_size == 2 for b in blocks)
+    assert _max_diff(module, reference_params(3, world=4)) < 1e-5
+
+
 @distributed(world_size=2)
 def test_auto_tensor_parallel_size_uses_the_planner():
     module = LitGPT(arch="llama")

@@ -149,13 +149,14 @@ def fully_shard(
     _check_modules(modules)
     mesh = mesh if mesh is not None else _default_mesh(modules)
     mesh_info = MeshInfo(_check_mesh(mesh))
-    _normalize_reshard(reshard_after_forward, mesh_info)  # bad values fail before anything changes
+    reshard = _normalize_reshard(reshard_after_forward, mesh_info)
     device = _mesh_device(mesh)
     ignored = {id(p) for p in (ignored_params or ())}
     params, originals = _collect_params(modules, ignored, device, mesh)
     group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
-    state = FSDPState(modules, group, mp_policy, reshard_after_forward=True)
-    _set_reshard(state, reshard_after_forward, mesh_info)
+    state = FSDPState(modules, group, mp_policy, bool(reshard))
+    if group is not None:
+        group.configure_post_forward(_post_forward_size(reshard))
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
@@ -221,16 +222,17 @@ def _normalize_reshard(value: bool | int, mesh_info: MeshInfo) -> bool | int:
     )
 
 
-def _set_reshard(state: FSDPState, value: bool | int, mesh_info: MeshInfo | None = None) -> None:
+def _post_forward_size(reshard: bool | int) -> int | None:
+    return None if isinstance(reshard, bool) else reshard
+
+
+def _set_reshard(state: FSDPState, value: bool | int) -> None:
     if state.group is None:
         state.reshard_after_forward = bool(value)
         return
-    normalized = _normalize_reshard(value, mesh_info or state.group.mesh_info)
-    state.reshard_after_forward = bool(normalized)
-    size = None if isinstance(normalized, bool) else normalized
-    current = state.group.post_forward
-    if (current.layout.world_size if current is not None else None) != size:
-        state.group.configure_post_forward(size)
+    reshard = _normalize_reshard(value, state.group.mesh_info)
+    state.reshard_after_forward = bool(reshard)
+    state.group.configure_post_forward(_post_forward_size(reshard))
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -185,8 +185,9 @@ class FSDPParamGroup:
         for fp in self.params:
             fp.unsharded = None
         self.grad_flat = None
-        if self.post_forward is not None:  # its views point into the old unsharded buffer
-            self.configure_post_forward(self.post_forward.layout.world_size)
+        if self.post_forward is not None:  # its views point into the old unsharded buffer: build it again
+            size, self.post_forward = self.post_forward.layout.world_size, None
+            self.configure_post_forward(size)
         if device.type != "meta":
             self.layout.warm(self.device, self.compute_dtype, self.reduce_dtype)
 
@@ -195,6 +196,9 @@ class FSDPParamGroup:
 
         Collective (creates the process groups of ``size`` neighbouring ranks): call it on every rank.
         """
+        current = self.post_forward.layout.world_size if self.post_forward is not None else None
+        if size == current:
+            return
         self.post_forward = None
         if size is None:
             return

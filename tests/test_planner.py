@@ -30,9 +30,10 @@ def _meta(factory):
         return factory()
 
 
-def _check(factory, mesh, precision="32-true", batch=4, seq_len=16, optimizer="adamw"):
-    measured = measure_step(factory, mesh, precision=precision, batch=batch, seq_len=seq_len, optimizer=optimizer)
-    est = estimate(_meta(factory), mesh, precision=precision, batch=batch, seq_len=seq_len, optimizer=optimizer)
+def _check(factory, mesh, precision="32-true", batch=4, seq_len=16, optimizer="adamw", reshard_after_forward=True):
+    kwargs = dict(precision=precision, batch=batch, seq_len=seq_len, optimizer=optimizer)
+    measured = measure_step(factory, mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    est = estimate(_meta(factory), mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     predicted = {
         "params": est.params,
         "grads": est.grads,
@@ -59,6 +60,7 @@ def test_estimate_matches_measured_2_ranks():
 @distributed(world_size=4)
 def test_estimate_matches_measured_4_ranks():
     _check(Llama, (4, 1))
+    _check(Llama, (4, 1), reshard_after_forward=2)  # backward all-gathers send 2-way shards
     _check(Llama, (2, 2))
     _check(Bert, (2, 2), precision="bf16-mixed")
 

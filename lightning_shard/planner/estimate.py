@@ -447,7 +447,7 @@ def estimate(
     batch: int,
     seq_len: int,
     cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     optimizer: str = "adamw",
     example_input: Callable | None = None,
     loss_fn: Callable | None = None,
@@ -460,7 +460,8 @@ def estimate(
     one TP group share it). ``optimizer``: ``"adamw"``, ``"adam"``, ``"sgd"`` (momentum) or
     ``"sgd-nomomentum"``. ``example_input(batch, seq_len, device) -> tuple`` and ``loss_fn(output)`` describe
     the step when the defaults (token ids for the first embedding; cross-entropy on the logits) do not fit.
-    ``activations`` reuses a :func:`profile_activations` result across meshes.
+    ``activations`` reuses a :func:`profile_activations` result across meshes. ``reshard_after_forward`` as in
+    ``fully_shard``; an int ``k`` counts the ``k``-way shards held from forward to backward and gathered then.
 
     Example::
 
@@ -504,9 +505,12 @@ def estimate(
     root_unsharded = unsharded[-1]
     block_unsharded = unsharded[:-1]
     largest_block = max(block_unsharded, default=0)
+    post_forward_size = _post_forward_size(reshard_after_forward, dp)
     if reshard_after_forward:
         alive_blocks = min(2, len(block_unsharded))  # the current block and the prefetched next one
         blocks_bytes = largest_block * alive_blocks
+        if post_forward_size:  # every block's k-way slice, held from its forward to its backward
+            blocks_bytes += sum(-(-u // post_forward_size) for u in block_unsharded)
     else:
         alive_blocks = len(block_unsharded)
         blocks_bytes = sum(block_unsharded)
@@ -528,8 +532,12 @@ def estimate(
         shapes = [local.get(id(p), p.shape) for p in params_of_group]
         layout = GroupLayout([s if len(s) else torch.Size([1]) for s in shapes], dp)
         is_root = i == len(groups) - 1
-        gathers = 1 if (is_root or not reshard_after_forward) else 2
-        ag += gathers * layout.shard_numel * c_size
+        if is_root or not reshard_after_forward:
+            ag += layout.shard_numel * c_size
+        elif post_forward_size:  # forward over all dp ranks, backward over k of them (k-way shard sent)
+            ag += (layout.shard_numel + GroupLayout(layout.shapes, post_forward_size).shard_numel) * c_size
+        else:
+            ag += 2 * layout.shard_numel * c_size
         if any(p.requires_grad for p in params_of_group):
             rs += dp * layout.shard_numel * r_size
     tp_comm = profile.tp_comm(plan, tp)
@@ -592,3 +600,10 @@ def dims_divisible(model: nn.Module, plan: dict, tp: int) -> list[str]:
                 if p is not None and pl.is_shard() and p.shape[pl.dim % p.ndim] % tp:
                     bad.append(f"{fqn}.{name} dim {pl.dim % p.ndim} = {p.shape[pl.dim % p.ndim]}")
     return bad
+
+
+def _post_forward_size(reshard_after_forward: bool | int, dp: int) -> int | None:
+    """The ``k`` of ``reshard_after_forward=k`` when it keeps a smaller shard (1 < k < dp), else None."""
+    if isinstance(reshard_after_forward, bool) or reshard_after_forward in (1, dp):
+        return None
+    return int(reshard_after_forward)

@@ -20,6 +20,7 @@ from lightning_shard.fsdp import (
     summon_full_params,
 )
 from lightning_shard.tensor import DTensor, Replicate, Shard
+from numba_kernels import GroupLayout
 from tests.fsdp_models import (
     batches,
     full_state,
@@ -538,7 +539,12 @@ def test_meta_model_larger_than_the_memory_cap_is_sharded_and_materialized():
     fully_shard(model, mesh=mesh)
     # Large buffers straight from mmap and back on free, so the address space follows live memory
     # (glibc's dynamic threshold would otherwise keep freed buffers in the heap and the cap would measure that).
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    libc.mallopt(-8, 1)  # M_ARENA_MAX = 1: a thread started under the cap reserves no 64 MiB arena of its own
+    # The model was built on meta, so materializing it is where the kernels would first load (LLVM's mappings
+    # and numba's worker threads, tens of MiB of address space whatever the model): load them before the cap.
+    GroupLayout([(1,)], 1).warm("cpu")
     cap = _vm_bytes() + 200 * 2**20
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))

@@ -1,4 +1,4 @@
-"""lightning_shard.fsdp.buffers: large CPU buffers are advised to use transparent huge pages."""
+"""lightning_shard.fsdp.buffers: large CPU buffers get transparent huge pages and are populated up front."""
 
 import os
 import sys
@@ -14,8 +14,8 @@ needs_thp = pytest.mark.skipif(
 )
 
 
-def _advised(tensor: torch.Tensor) -> bool:
-    """Whether the mapping holding ``tensor`` carries the MADV_HUGEPAGE flag ("hg" in /proc/self/smaps)."""
+def _mapping_field(tensor: torch.Tensor, field: str) -> str:
+    """``field`` of the /proc/self/smaps entry of the mapping that holds ``tensor``'s middle byte."""
     ptr = tensor.untyped_storage().data_ptr() + tensor.untyped_storage().nbytes() // 2
     in_mapping = False
     with open("/proc/self/smaps") as f:
@@ -24,13 +24,18 @@ def _advised(tensor: torch.Tensor) -> bool:
             if "-" in head and not head.endswith(":"):
                 start, end = (int(x, 16) for x in head.split("-"))
                 in_mapping = start <= ptr < end
-            elif in_mapping and head == "VmFlags:":
-                return "hg" in line.split()[1:]
+            elif in_mapping and head == field + ":":
+                return line.split(":", 1)[1].strip()
     raise AssertionError("buffer not found in /proc/self/smaps")
 
 
+def _advised(tensor: torch.Tensor) -> bool:
+    """Whether the mapping holding ``tensor`` carries the MADV_HUGEPAGE flag ("hg" in its VmFlags)."""
+    return "hg" in _mapping_field(tensor, "VmFlags").split()
+
+
 @needs_thp
-def test_large_cpu_buffers_are_advised_and_small_ones_left_alone(monkeypatch):
+def test_large_cpu_buffers_are_advised_huge_pages(monkeypatch):
     monkeypatch.delenv("LIGHTNING_SHARD_HUGE_PAGES", raising=False)
     buffers._madvise.cache_clear()
     # 40 MiB: above glibc's largest mmap threshold, so a fresh mapping no earlier test has advised.
@@ -60,3 +65,18 @@ def test_resized_storage_keeps_its_views_valid():
     buffers.advise_huge_pages(storage)
     flat.fill_(2.0)
     assert torch.equal(view, torch.full((10,), 2.0))
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or tuple(map(int, os.uname().release.split(".")[:2])) < (5, 14),
+    reason="MADV_POPULATE_WRITE needs Linux >= 5.14",
+)
+def test_large_cpu_buffers_are_populated_before_first_write(monkeypatch):
+    monkeypatch.delenv("LIGHTNING_SHARD_HUGE_PAGES", raising=False)
+    buffers._madvise.cache_clear()
+    nbytes = 40 << 20  # a fresh mapping (above glibc's largest mmap threshold), never written
+    populated = buffers.empty(nbytes // 4, torch.float32, torch.device("cpu"))
+    plain = torch.empty(nbytes // 4)
+    rss_kb = lambda t: int(_mapping_field(t, "Rss").split()[0])  # noqa: E731
+    assert rss_kb(populated) * 1024 >= nbytes - (4 << 20)  # resident already (up to its unaligned ends)
+    assert rss_kb(plain) * 1024 < nbytes // 2  # torch.empty alone leaves the pages to first touch

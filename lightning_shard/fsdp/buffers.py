@@ -1,4 +1,4 @@
-"""Allocation of FSDP's large per-step buffers, backed by transparent huge pages on CPU.
+"""Allocation of FSDP's large per-step buffers on CPU: transparent huge pages, populated up front.
 
 Every step allocates and frees buffers as large as a whole group's parameters: the all-gather output, the
 unsharded parameters, the reduce-scatter input and the gradient shard. On CPU, blocks that large usually
@@ -6,8 +6,11 @@ come from fresh ``mmap``s, and the first write to fresh memory takes one page fa
 our 2-core test machine that made copying 40 MB into a fresh buffer cost 26 ms against 5 ms into a reused
 one. Asking the kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``) before the first write
 takes one fault per 2 MiB instead, and the copy took 8 ms. Where the kernel does not offer transparent
-huge pages, the advice is a no-op. GPU memory comes from torch's caching allocator and is left alone.
-``LIGHTNING_SHARD_HUGE_PAGES=0`` turns the advice off.
+huge pages, the advice is a no-op. Buffers from 256 KiB up are then populated in one call
+(``MADV_POPULATE_WRITE``, Linux >= 5.14) instead of one trap per page on first write: on the benchmark GPT of
+``benchmarks/fsdp_vs_torch.py`` the step took 1.29-1.30 s with both, 1.30-1.32 s without either (two runs
+each). GPU memory comes from torch's caching allocator and is left alone. ``LIGHTNING_SHARD_HUGE_PAGES=0``
+turns both off.
 
 Example::
 
@@ -25,9 +28,11 @@ import sys
 
 import torch
 
+_PAGE = 4096
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
-_MIN_BYTES = 2 * _HUGE_PAGE  # smaller buffers rarely contain a whole aligned huge page
+_MADV_POPULATE_WRITE = 23  # linux >= 5.14; older kernels refuse it (EINVAL), which changes nothing
+_POPULATE_MIN_BYTES = 256 << 10
 
 
 def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -42,19 +47,24 @@ def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 def advise_huge_pages(storage: torch.UntypedStorage) -> None:
-    """Advise transparent huge pages for the 2 MiB-aligned part of a large CPU ``storage`` (else nothing).
+    """Advise transparent huge pages for the 2 MiB-aligned part of a large CPU ``storage`` and populate it
+    (a CPU storage below 256 KiB, or anything on another device: nothing).
 
     >>> advise_huge_pages(torch.empty(1 << 22).untyped_storage())
     """
-    if storage.device.type != "cpu" or storage.nbytes() < _MIN_BYTES:
+    if storage.device.type != "cpu" or storage.nbytes() < _POPULATE_MIN_BYTES:
         return
     madvise = _madvise()
     if madvise is None:
         return
-    start = -(-storage.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (storage.data_ptr() + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+    end = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
     if end > start:
         madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a failure changes nothing
+    start, end = -(-ptr // _PAGE) * _PAGE, (ptr + nbytes) // _PAGE * _PAGE
+    if end > start:
+        madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
 @functools.cache

@@ -62,7 +62,7 @@ def test_resized_storage_keeps_its_views_valid():
     storage = flat.untyped_storage()
     storage.resize_(0)
     storage.resize_((3 << 20) * 4)
-    buffers.advise_huge_pages(storage)
+    buffers.populate_pages(storage)
     flat.fill_(2.0)
     assert torch.equal(view, torch.full((10,), 2.0))
 

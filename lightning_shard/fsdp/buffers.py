@@ -15,7 +15,7 @@ turns both off.
 Example::
 
     buf = empty((2, 1 << 20), torch.float32, torch.device("cpu"))   # huge-page backed where possible
-    advise_huge_pages(unsharded.untyped_storage())                   # after a storage.resize_(n)
+    populate_pages(unsharded.untyped_storage())                   # after a storage.resize_(n)
 """
 
 from __future__ import annotations
@@ -36,21 +36,21 @@ _POPULATE_MIN_BYTES = 256 << 10
 
 
 def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty``, with huge pages advised for large CPU buffers before anything writes them.
+    """``torch.empty``, with large CPU buffers backed by (huge) pages before anything writes them.
 
     >>> empty((4, 4), torch.float32, torch.device("cpu")).shape
     torch.Size([4, 4])
     """
     tensor = torch.empty(shape, dtype=dtype, device=device)
-    advise_huge_pages(tensor.untyped_storage())
+    populate_pages(tensor.untyped_storage())
     return tensor
 
 
-def advise_huge_pages(storage: torch.UntypedStorage) -> None:
-    """Advise transparent huge pages for the 2 MiB-aligned part of a large CPU ``storage`` and populate it
-    (a CPU storage below 256 KiB, or anything on another device: nothing).
+def populate_pages(storage: torch.UntypedStorage) -> None:
+    """Back a CPU ``storage`` of 256 KiB or more with pages now, before its first write: huge pages for its
+    2 MiB-aligned part where the kernel offers them (smaller storages and other devices: nothing).
 
-    >>> advise_huge_pages(torch.empty(1 << 22).untyped_storage())
+    >>> populate_pages(torch.empty(1 << 22).untyped_storage())
     """
     if storage.device.type != "cpu" or storage.nbytes() < _POPULATE_MIN_BYTES:
         return

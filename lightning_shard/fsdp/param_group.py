@@ -235,7 +235,7 @@ class FSDPParamGroup:
         handle, self.pending_all_gather = self.pending_all_gather, None
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.layout.unsharded_numel * self.unsharded_flat.element_size())
-        buffers.advise_huge_pages(storage)
+        buffers.populate_pages(storage)
         collectives.finish_all_gather(handle, self.unsharded_flat)
         if self.post_forward is not None:
             self.post_forward.release()

@@ -218,8 +218,8 @@ def main_compare(args) -> dict:
                     sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
                     raise SystemExit(f"variant {variant} failed (exit code {proc.returncode})")
                 if proc.returncode != 0:
-                    # The result was written at the end of training; seen with ModelParallelStrategy: gloo's
-                    # threads still running at interpreter exit ("terminate called without an active exception").
+                    # The result was written at the end of training; seen with ModelParallelStrategy: a crash at
+                    # interpreter exit ("terminate called without an active exception").
                     print(f"note: variant {variant} exited with code {proc.returncode} after writing its result")
                 r = json.loads(Path(out).read_text())
                 runs[variant].append(r)

@@ -45,6 +45,16 @@ def _shard(model, mesh, **kwargs):
     return model
 
 
+def _torch_shard(model, mesh, **kwargs):
+    """The same wrapping with torch's FSDP2 (the oracle)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=mesh.to_torch(), **kwargs)
+    torch_fully_shard(model, mesh=mesh.to_torch(), **kwargs)
+    return model
+
+
 def _train(model, data, optim="sgd", lr=0.1, dp_rank=None, dp_world=None):
     rank = dist.get_rank() if dp_rank is None else dp_rank
     world = dist.get_world_size() if dp_world is None else dp_world
@@ -67,8 +77,6 @@ def _storage_freed(model) -> bool:
 # ---------------------------------------------------------------------------------------------- 2 ranks
 @distributed(world_size=2)
 def test_parity_with_single_process_and_torch_fsdp2():
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     data = batches(5, 4)
     model = make_model()
     ref, _ = train_reference(model, data)
@@ -77,9 +85,7 @@ def test_parity_with_single_process_and_torch_fsdp2():
     _shard(model, mesh)
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and p.placements == (Shard(0),), name
-    for block in theirs.blocks:
-        torch_fully_shard(block, mesh=mesh.to_torch())
-    torch_fully_shard(theirs, mesh=mesh.to_torch())
+    _torch_shard(theirs, mesh)
     _train(model, data)
     _train(theirs, data)
     ours = full_state(model)
@@ -454,17 +460,13 @@ def test_four_ranks_uneven_parity():
 
 @distributed(world_size=4)
 def test_reshard_after_forward_to_two_ranks_parity_memory_and_communication():
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     data = batches(3, 8)
     model = make_model()
     ref, _ = train_reference(model, data)
     theirs = copy.deepcopy(model)
     mesh = _dp_mesh()
     _shard(model, mesh, reshard_after_forward=2)
-    for block in theirs.blocks:
-        torch_fully_shard(block, mesh=mesh.to_torch(), reshard_after_forward=2)
-    torch_fully_shard(theirs, mesh=mesh.to_torch(), reshard_after_forward=2)
+    _torch_shard(theirs, mesh, reshard_after_forward=2)
 
     # One step watched: between forward and backward each block holds a 2-way shard (not its unsharded
     # parameters), and its backward all-gather sends that 2-way shard (over its 2-rank group).

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_shard.fsdp import collectives
+from lightning_shard.fsdp import buffers, collectives
 from numba_kernels import GroupLayout
 
 
@@ -50,7 +50,9 @@ class PostForwardShard:
 
     def keep(self, unsharded_flat: torch.Tensor, full_layout: GroupLayout) -> None:
         """Copy this rank's slice out of the (allocated) unsharded flat buffer."""
-        self.flat.untyped_storage().resize_(self.layout.shard_numel * self.flat.element_size())
+        storage = self.flat.untyped_storage()
+        storage.resize_(self.layout.shard_numel * self.flat.element_size())
+        buffers.populate_pages(storage)
         if self._copies is None:
             self._copies = self._views(unsharded_flat, full_layout)
         torch._foreach_copy_(*self._copies)
@@ -76,6 +78,7 @@ class PostForwardShard:
         )
 
     def release(self) -> None:
+        """Free the slice (after the backward all-gather, or when it went unused)."""
         if self.held:
             self.flat.untyped_storage().resize_(0)
             self.held = False

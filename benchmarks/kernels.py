@@ -55,7 +55,7 @@ def group_shapes(total_bytes: int, n: int = 16, seed: int = 0) -> list[tuple[int
     return shapes
 
 
-def time_interleaved(
+def time_impls(
     device: str, fns: list[Callable[[], object]], reps: int, warmup: int = 1, blocked: bool = False
 ) -> list[float]:
     """Median seconds of each fn, measured round-robin (A B C A B C ...), or ``blocked`` (A A .. B B .. C C ..).
@@ -110,7 +110,7 @@ def bench_group(
         copy_src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         copy_dst = torch.empty_like(copy_src)
         cases = (("ours", ours), ("torch", torch_path), ("copy", lambda: copy_dst.copy_(copy_src)))
-        secs = time_interleaved(device, [fn for _, fn in cases], reps, blocked=blocked)
+        secs = time_impls(device, [fn for _, fn in cases], reps, blocked=blocked)
         for (impl, _), sec in zip(cases, secs):
             rows.append(
                 {

@@ -126,6 +126,29 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 @distributed(world_size=2)
 def test_gradients_freed_by_zero_grad_and_accumulated_without_it():
+    _check_gradients_freed_and_accumulated()
+
+
+@distributed(world_size=2)
+def test_gradient_reduction_as_gloo_all_reduce_freed_and_accumulated():
+    # From 4 MiB of gradients a group's reduce-scatter runs as an in-place all-reduce on gloo (faster there,
+    # comm.reduce_scatter_scratch); the test model is smaller, so lower the threshold to take that path.
+    original_threshold, original_all_reduce = comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce
+    calls = []
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(args[0].numel())
+        return original_all_reduce(*args, **kwargs)
+
+    comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = 0, counting_all_reduce
+    try:
+        _check_gradients_freed_and_accumulated()
+    finally:
+        comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = original_threshold, original_all_reduce
+    assert len(calls) == 4 * (len(make_model().blocks) + 1)  # 4 backward passes, one per group each
+
+
+def _check_gradients_freed_and_accumulated():
     (x1, y1), (x2, y2) = batches(2, 8)
     model = make_model()
     ref = copy.deepcopy(model)

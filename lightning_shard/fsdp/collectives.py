@@ -2,9 +2,9 @@
 
 All-gather: this rank's flat shard -> (copy-in with cast, skipped when no cast is needed: the shard buffer
 itself is the input) -> one all-gather -> (copy-out) -> the unsharded flat buffer.
-Reduce-scatter: the unsharded gradients -> (copy-in: pad, pre-divide, cast) -> one reduce-scatter
-[-> all-reduce across replicas for HSDP] -> (post-reduce: divide, upcast, accumulate) -> the sharded
-gradient buffer.
+Reduce-scatter: the unsharded gradients -> (copy-in: pad, pre-divide, cast) -> one reduce-scatter (on gloo
+an in-place all-reduce of the staging buffer, faster there) [-> all-reduce across replicas for HSDP] ->
+(post-reduce: divide, upcast, accumulate) -> the sharded gradient buffer.
 
 Collectives are issued with ``async_op=True``; the returned handle's ``wait()`` finishes the step. On CUDA,
 NCCL runs them on its own stream, so compute overlaps with communication until ``wait()``.
@@ -82,14 +82,14 @@ def start_reduce_scatter(
 ) -> CollectiveHandle:
     """Stage the unsharded gradients (pad, pre-divide, cast in one kernel) and issue the reduce-scatter.
 
-    ``output``: where the reduced shard goes (e.g. the sharded gradient buffer itself); default a new buffer.
+    ``output``: where the reduced shard goes (e.g. the sharded gradient buffer itself; default a new buffer)
+    on backends that reduce-scatter; on gloo it stays in the staging buffer (``handle.output`` says where).
     """
     staged = buffers.empty((layout.world_size, layout.shard_numel), reduce_dtype, device)
     reduce_scatter_copy_in(layout, grads, staged, predivide=predivide)
-    if output is None:
-        output = buffers.empty(layout.shard_numel, reduce_dtype, device)
-    work = comm.reduce_scatter_into(output, staged.view(-1), group, "sum", async_op=True)
-    return CollectiveHandle(work, output, staged)
+    # On gloo the reduced shard is left in (a view of) the staging buffer: see comm.reduce_scatter_scratch.
+    work, reduced = comm.reduce_scatter_scratch(staged.view(-1), group, output, async_op=True)
+    return CollectiveHandle(work, reduced, staged)
 
 
 def finish_reduce_scatter(

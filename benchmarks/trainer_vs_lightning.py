@@ -5,7 +5,8 @@ TP only when ``--tp > 1``) and DDP.
 Reports the median step time (a callback times ``on_train_batch_start`` .. ``on_train_batch_end``, i.e.
 forward, backward and optimizer step, after ``--warmup`` steps) and the peak memory per rank (CPU: growth of
 the process's peak RSS from just before the model is built in ``configure_model``; CUDA:
-``torch.cuda.max_memory_allocated``), as ratios ours / other.
+``torch.cuda.max_memory_allocated``), as ratios ours / other. ``process_peak_mb`` is the whole process's peak
+RSS (libraries, Lightning and everything loaded before the model included).
 
     python benchmarks/trainer_vs_lightning.py --devices 2 --repeats 3 --json results.json
 
@@ -14,8 +15,8 @@ subprocess, in which Lightning's own launcher starts the other ranks, so no stat
 Variants are interleaved (the order rotates each repeat) so that load from other processes on the machine
 hits them alike; the reported figure per variant is the median over repeats of the slowest rank's median.
 
-``--json`` writes ``{"ours": {...}, "model_parallel": {...}, "ddp": {...}}`` with ``step_s`` and ``peak_mb``
-each (plus the per-repeat values).
+``--json`` writes ``{"ours": {...}, "model_parallel": {...}, "ddp": {...}}`` with ``step_s``, ``peak_mb`` and
+``process_peak_mb`` each (plus the per-repeat values).
 """
 
 from __future__ import annotations
@@ -61,8 +62,6 @@ def _build_module(args):
                 return
             if args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            if args.prewarm_kernels and args.variant == "ours":
-                _prewarm_kernels()
             self.base_rss = _peak_rss_mb()
             torch.manual_seed(0)
             self.model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
@@ -83,17 +82,6 @@ def _build_module(args):
             return DataLoader(TensorDataset(torch.randint(0, args.vocab, (n, args.seq), generator=g)), args.batch)
 
     return BenchGPT()
-
-
-def _prewarm_kernels() -> None:
-    """Load our numba kernels (llvmlite, ~40 MB of RSS per process, independent of the model) before the
-    memory baseline, so the peak measures what scales with the model. Affects only "ours"."""
-    import torch
-
-    from numba_kernels import GroupLayout
-
-    for dtype in (torch.float32, torch.bfloat16):
-        GroupLayout([(4, 4)], 2).warm("cpu", dtype, torch.float32)
 
 
 def _torch_parallelize(model, mesh, tp: int) -> None:
@@ -149,12 +137,13 @@ def _callback(args, out: str):
             cuda = pl_module.device.type == "cuda"
             peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - pl_module.base_rss
             step = statistics.median(self.times[args.warmup :])
-            mine = torch.tensor([step, peak], dtype=torch.float64, device=pl_module.device)
-            every = trainer.strategy.all_gather(mine).reshape(-1, 2).cpu()
+            mine = torch.tensor([step, peak, _peak_rss_mb()], dtype=torch.float64, device=pl_module.device)
+            every = trainer.strategy.all_gather(mine).reshape(-1, 3).cpu()
             if trainer.global_rank == 0:
                 result = {
                     "step_s": float(every[:, 0].max()),
                     "peak_mb": float(every[:, 1].max()),
+                    "process_peak_mb": float(every[:, 2].max()),
                     "per_rank": every.tolist(),
                     "steps_timed": len(self.times) - args.warmup,
                 }
@@ -200,7 +189,6 @@ def _variant_cmd(args, variant: str, out: str) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--out", out]
     for name in ("devices", "tp", "steps", "warmup", "batch", "seq", "vocab", "dim", "layers", "heads"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    cmd += ["--prewarm-kernels"] if args.prewarm_kernels else []
     return cmd + ["--accelerator", args.accelerator, "--precision", args.precision]
 
 
@@ -225,6 +213,7 @@ def main_compare(args) -> dict:
                 runs[variant].append(r)
                 print(
                     f"repeat {rep} {variant:15s} step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mb']:8.1f} MB  "
+                    f"process peak {r['process_peak_mb']:8.1f} MB  "
                     f"(wall {time.time() - t0:.0f}s, load {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
@@ -232,23 +221,26 @@ def main_compare(args) -> dict:
         v: {
             "step_s": statistics.median(r["step_s"] for r in rs),
             "peak_mb": statistics.median(r["peak_mb"] for r in rs),
+            "process_peak_mb": statistics.median(r["process_peak_mb"] for r in rs),
             "step_s_runs": [r["step_s"] for r in rs],
             "peak_mb_runs": [r["peak_mb"] for r in rs],
         }
         for v, rs in runs.items()
     }
     print(
-        f"\n| variant | step (ms), median of {args.repeats} | peak MB/rank | step ms per repeat | peak MB per repeat |"
+        f"\n| variant | step (ms), median of {args.repeats} | peak MB/rank | process peak MB/rank "
+        "| step ms per repeat | peak MB per repeat |"
     )
-    print("|---|---:|---:|---|---|")
+    print("|---|---:|---:|---:|---|---|")
     for v, r in results.items():
         per = ", ".join(f"{s * 1e3:.0f}" for s in r["step_s_runs"])
         mem = ", ".join(f"{m:.0f}" for m in r["peak_mb_runs"])
-        print(f"| {v} | {r['step_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {per} | {mem} |")
+        print(f"| {v} | {r['step_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {r['process_peak_mb']:.1f} | {per} | {mem} |")
     if "ours" in results:
         for other in ("model_parallel", "ddp"):
             if other in results:
-                ratio = {k: results["ours"][k] / results[other][k] for k in ("step_s", "peak_mb") if results[other][k]}
+                keys = ("step_s", "peak_mb", "process_peak_mb")
+                ratio = {k: results["ours"][k] / results[other][k] for k in keys if results[other][k]}
                 print(f"ours / {other}: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items()))
     return results
 
@@ -277,9 +269,6 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="set for every variant, e.g. NUMBA_NUM_THREADS=1",
     )
-    p.add_argument(
-        "--prewarm-kernels", action="store_true", help="load numba kernels before the memory baseline (see docs)"
-    )
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one Trainer run
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -288,7 +277,7 @@ def main() -> None:
         return
     results = main_compare(args)
     for r in results.values():
-        r.update(env=args.env, prewarm_kernels=args.prewarm_kernels, devices=args.devices, tp=args.tp)
+        r.update(env=args.env, devices=args.devices, tp=args.tp)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))

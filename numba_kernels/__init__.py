@@ -22,7 +22,7 @@ Example::
     >>> all_gather_copy_in(layout, shard, ag, rank=0)
 """
 
-from .layout import GroupLayout
+from .layout import GroupLayout, warm_kernels
 from .ops import all_gather_copy_in, all_gather_copy_out, post_reduce, reduce_scatter_copy_in
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "all_gather_copy_out",
     "reduce_scatter_copy_in",
     "post_reduce",
+    "warm_kernels",
 ]

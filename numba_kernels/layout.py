@@ -262,15 +262,30 @@ class GroupLayout:
         dev = torch.device(device)
         for op in ("agin_flat", "agout", "rsin", "post"):
             self._table(op)
+        warm_kernels(dev)
         if dev.type == "cuda":
-            from . import cuda as _cuda
-
-            _cuda.warm(dev)
             for op in ("agin_flat", "agout", "rsin", "post"):
                 self._device_tensor(self._table(op), dev)
             for name in ("shard", "unsharded", "zero"):
                 self._device_tensor(self._const(name), dev)
-        else:
-            from . import cpu as _cpu
 
-            _cpu.warm()
+
+def warm_kernels(device: torch.device | str) -> None:
+    """Load the kernels for ``device``'s type (compiled once, then read from numba's disk cache).
+
+    The first load in a process sets up numba's compiler machinery and LLVM: ~46 MB of resident memory and
+    ~0.3 s with a warm disk cache, whatever the model (docs/kernels.md). The strategy calls this when it sets
+    up the process, before the model is built, so the first training step does not pay for it and the
+    allocations do not interleave with the model's. Idempotent.
+
+    >>> warm_kernels("cpu")
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        from . import cuda as _cuda
+
+        _cuda.warm(dev)
+    else:
+        from . import cpu as _cpu
+
+        _cpu.warm()

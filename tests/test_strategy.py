@@ -1,5 +1,7 @@
 """Trainer(strategy="shard_fsdp_tp") on real gloo ranks, compared with a single-device run."""
 
+import os
+
 import lightning as L
 import pytest
 import torch
@@ -14,7 +16,7 @@ from tests.lightning_models import LitGPT, reference_params
 def _trainer(**kwargs):
     defaults = dict(
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]),
         strategy="shard_fsdp_tp",
         max_steps=5,
         logger=False,
@@ -43,6 +45,23 @@ def test_fsdp_only_parity_with_single_device():
     assert all(isinstance(p, DTensor) for p in module.parameters())
     assert module.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
     assert _max_diff(module, reference_params(5)) < 1e-5
+
+
+@distributed(world_size=2, fresh=True)
+def test_kernels_loaded_before_configure_model():
+    # A new process: numba's one-time load (~46 MB, docs/strategy.md) must happen at process setup, before
+    # the user's model is built, not inside configure_model or the first training step.
+    from numba_kernels import cpu
+
+    class Recording(LitGPT):
+        def configure_model(self):
+            self.kernels_loaded = bool(cpu._kernel_parallel.signatures and cpu._kernel_serial.signatures)
+            super().configure_model()
+
+    module = Recording()
+    assert not cpu._kernel_parallel.signatures  # nothing loaded them yet in this process
+    _trainer(max_steps=1).fit(module)  # the strategy creates the process group
+    assert module.kernels_loaded
 
 
 @distributed(world_size=2)

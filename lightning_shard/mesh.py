@@ -194,6 +194,8 @@ class DeviceMesh:
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True  # the common case (every DTensor of a model shares its mesh): skip the tensor compare
         if not isinstance(other, DeviceMesh):
             return NotImplemented
         return (

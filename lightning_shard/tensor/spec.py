@@ -48,6 +48,10 @@ class DTensorSpec:
         return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)
 
     def has_partial(self) -> bool:
+        return self._has_partial
+
+    @cached_property
+    def _has_partial(self) -> bool:  # asked on every op (dispatch fast path): computed once per spec
         return any(p.is_partial() for p in self.placements)
 
     def __hash__(self) -> int:

@@ -98,10 +98,10 @@ def reduce_scatter_scratch(
     overwritten. Returns ``(work, chunk)``; ``chunk`` holds this rank's reduced chunk once ``work`` is done.
 
     On gloo, from 4 MiB of input, ``input`` is all-reduced in place and ``chunk`` is this rank's view of it
-    (``output`` is unused): there gloo's all-reduce runs 1.3-2x faster than its reduce-scatter on the same
-    input, although it moves twice the bytes (``benchmarks/gloo_reduce_scatter.py``, docs/benchmarks.md; below
-    a few MB the two are level within noise). Otherwise it is a reduce-scatter into ``output`` (a new buffer
-    if None). Counted as one reduce-scatter either way.
+    (``output`` is unused): there gloo's all-reduce took 0.43x-0.91x the time of its reduce-scatter on the
+    same input, although it moves twice the bytes (``benchmarks/gloo_reduce_scatter.py``, docs/benchmarks.md;
+    below 4 MB the two are level within noise). Otherwise it is a reduce-scatter into ``output`` (a new
+    buffer if None). Counted as one reduce-scatter either way.
 
     Example::
 

@@ -1,5 +1,6 @@
 """fully_shard on real gloo groups: parity with a single process and torch FSDP2, memory, communication."""
 
+import contextlib
 import copy
 import ctypes
 import os
@@ -129,10 +130,11 @@ def test_gradients_freed_by_zero_grad_and_accumulated_without_it():
     _check_gradients_freed_and_accumulated()
 
 
-@distributed(world_size=2)
-def test_gradient_reduction_as_gloo_all_reduce_freed_and_accumulated():
-    # From 4 MiB of gradients a group's reduce-scatter runs as an in-place all-reduce on gloo (faster there,
-    # comm.reduce_scatter_scratch); the test model is smaller, so lower the threshold to take that path.
+@contextlib.contextmanager
+def _reduce_scatter_as_all_reduce():
+    """From 4 MiB of gradients a group's reduce-scatter runs as an in-place all-reduce on gloo (faster there,
+    comm.reduce_scatter_scratch); test models are smaller, so lower the threshold to take that path. Yields
+    the sizes of the all-reduces issued."""
     original_threshold, original_all_reduce = comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce
     calls = []
 
@@ -142,10 +144,37 @@ def test_gradient_reduction_as_gloo_all_reduce_freed_and_accumulated():
 
     comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = 0, counting_all_reduce
     try:
-        _check_gradients_freed_and_accumulated()
+        yield calls
     finally:
         comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = original_threshold, original_all_reduce
+
+
+@distributed(world_size=2)
+def test_gradient_reduction_as_gloo_all_reduce_freed_and_accumulated():
+    with _reduce_scatter_as_all_reduce() as calls:
+        _check_gradients_freed_and_accumulated()
     assert len(calls) == 4 * (len(make_model().blocks) + 1)  # 4 backward passes, one per group each
+
+
+@distributed(world_size=2)
+def test_gradient_reduction_as_gloo_all_reduce_parity_mixed_precision_offload():
+    with _reduce_scatter_as_all_reduce() as calls:
+        test_parity_with_single_process_and_torch_fsdp2.__wrapped__()
+        test_bf16_mixed_precision_close_to_fp32.__wrapped__()
+        test_cpu_offload_parity.__wrapped__()
+        test_gradient_accumulation_without_sync_communicates_once.__wrapped__()
+    assert calls
+
+
+@distributed(world_size=4)
+def test_gradient_reduction_as_gloo_all_reduce_hsdp_and_four_ranks():
+    with _reduce_scatter_as_all_reduce() as calls:
+        test_hsdp_two_by_two_parity.__wrapped__()
+    # per step and group: the shard-group reduction (as an all-reduce) and the all-reduce across replicas
+    assert len(calls) == 2 * 3 * (len(make_model().blocks) + 1)
+    with _reduce_scatter_as_all_reduce() as calls:
+        test_four_ranks_uneven_parity.__wrapped__()
+    assert calls
 
 
 def _check_gradients_freed_and_accumulated():

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import os
+import types as types_module
 
 import numba
 import numpy as np
@@ -240,11 +241,23 @@ def _kernel_body(blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc)
         _block(b, blk, sf, s16, sbase, sc, df, d16, dbase, dc, has_div, div, acc)
 
 
+def _renamed(fn, name: str):
+    """``fn`` as a new function object called ``name``. numba's disk cache files its entries by function name
+    and signature, not by compile options: compiled from one function, the serial kernel would load the
+    parallel one's cache entry (or the reverse), and what runs would depend on which was compiled first."""
+    copy = types_module.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = name
+    return copy
+
+
 # Same body twice: the parallel one for real buffers, the serial one for tiny
-# ones (see SERIAL_THRESHOLD). Both cached on disk (__pycache__/*.nbi, *.nbc).
+# ones (see SERIAL_THRESHOLD) and when numba has one thread (no thread pool to wake).
+# Both cached on disk (__pycache__/*.nbi, *.nbc), under different names (see _renamed).
 # error_model="numpy": x / 0 gives inf/nan like torch instead of raising.
 _kernel_parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_kernel_body)
-_kernel_serial = njit(parallel=False, cache=True, nogil=True, error_model="numpy")(_kernel_body)
+_kernel_serial = njit(parallel=False, cache=True, nogil=True, error_model="numpy")(
+    _renamed(_kernel_body, "_kernel_body_serial")
+)
 
 
 def run_blocks(
@@ -267,7 +280,8 @@ def run_blocks(
     pass ``None`` for the one not used. ``total`` (elements moved) picks the
     serial kernel for tiny buffers. Callers (``ops.py``) have validated bounds.
     """
-    kernel = _kernel_serial if total is not None and total < SERIAL_THRESHOLD else _kernel_parallel
+    serial = total is not None and total < SERIAL_THRESHOLD or numba.get_num_threads() == 1
+    kernel = _kernel_serial if serial else _kernel_parallel
     kernel(
         _readonly(blk),
         _DUMMY_F32 if src_f32 is None else src_f32,

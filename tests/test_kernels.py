@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -177,8 +180,35 @@ def test_auto_on_cpu_tensors_uses_cpu_kernel_and_matches() -> None:
     assert check_against_reference("auto", "cpu", world_sizes=(2, 5), seed=7, full=False) > 0
 
 
+def test_serial_kernel_is_compiled_serial() -> None:
+    """numba's disk cache files compiled code by function name and signature, not by compile options; the
+    serial kernel must not load the parallel one's entry (it did, until it got its own name). A serial kernel
+    never starts numba's thread pool: checked in a new process, where nothing else has started it."""
+    code = (
+        "import numpy as np, numba.np.ufunc.parallel as par\n"
+        "from numba_kernels import cpu\n"
+        "z = np.zeros(1, np.int64); src = np.arange(4, dtype=np.float32); dst = np.zeros(4, np.float32)\n"
+        "cpu.run_blocks(np.array([[0, 0, 0, 4, 0]], np.int64), src, None, z, 0, dst, None, z, 0, total=4)\n"
+        "assert dst.tolist() == [0.0, 1.0, 2.0, 3.0]\n"
+        "print('thread pool started:', par._is_initialized)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "thread pool started: False" in out.stdout
+
+
 def test_parallel_path_large_group() -> None:
-    """Above the serial threshold the prange kernel runs; uneven shapes across many blocks."""
+    """Above the serial threshold the prange kernel runs (given more than one numba thread); uneven shapes
+    across many blocks."""
+    threads = numba.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    try:
+        _check_large_group()
+    finally:
+        numba.set_num_threads(threads)
+
+
+def _check_large_group() -> None:
     gen = torch.Generator().manual_seed(3)
     layout = nk.GroupLayout([(1001, 97), (3,), (77777,), (129, 33, 5)], 3)
     grads = [random_values(gen, s, torch.float32, "cpu") for s in layout.shapes]

@@ -51,6 +51,7 @@ from lightning_shard.checkpoint import (
     set_optimizer_state_dict,
 )
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
+from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
 from strategies import parallelize
 from strategies.precision import ShardPrecision
@@ -221,7 +222,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         self._device_mesh = self._build_mesh()
         self.lightning_module._device_mesh = self._device_mesh
-        warm_kernels(self.root_device)  # numba's fixed load cost now, before the model exists (docs/strategy.md)
+        # The engine's one-time loads (numba kernels, DTensor op rules) now, before the model exists: neither the
+        # first step nor the memory around the model pays for them (docs/strategy.md).
+        warm_kernels(self.root_device)
+        load_rules()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

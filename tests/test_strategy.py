@@ -48,20 +48,22 @@ def test_fsdp_only_parity_with_single_device():
 
 
 @distributed(world_size=2, fresh=True)
-def test_kernels_loaded_before_configure_model():
-    # A new process: numba's one-time load (~46 MB, docs/strategy.md) must happen at process setup, before
-    # the user's model is built, not inside configure_model or the first training step.
+def test_engine_loaded_before_configure_model():
+    # A new process: the engine's one-time loads (numba kernels ~46 MB, DTensor op rules ~10 MB; docs/strategy.md)
+    # must happen at process setup, before the user's model is built, not inside configure_model or step 1.
+    from lightning_shard.tensor import ops
     from numba_kernels import cpu
 
     class Recording(LitGPT):
         def configure_model(self):
             self.kernels_loaded = bool(cpu._kernel_parallel.signatures and cpu._kernel_serial.signatures)
+            self.rules_loaded = ops._LOADED
             super().configure_model()
 
     module = Recording()
-    assert not cpu._kernel_parallel.signatures  # nothing loaded them yet in this process
+    assert not cpu._kernel_parallel.signatures and not ops._LOADED  # nothing loaded them yet in this process
     _trainer(max_steps=1).fit(module)  # the strategy creates the process group
-    assert module.kernels_loaded
+    assert module.kernels_loaded and module.rules_loaded
 
 
 @distributed(world_size=2)

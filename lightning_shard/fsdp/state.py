@@ -101,7 +101,10 @@ class FSDPState:
         if self.root is not None and self not in self.root.forward_order:
             self.root.forward_order.append(self)
         if self.group is not None:
-            self._unshard_and_prefetch(self._forward_prefetch_targets())
+            self.group.unshard()
+            for state in self._forward_prefetch_targets():
+                if state.group is not None:
+                    state.group.start_unshard()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if torch.is_grad_enabled():
@@ -171,20 +174,11 @@ class FSDPState:
         (self.root or self)._queue_final_callback()
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
-            self._unshard_and_prefetch(self._backward_prefetch_targets())
+            self.group.unshard()
+            for state in self._backward_prefetch_targets():
+                if state.group is not None:
+                    state.group.start_unshard()
         return grad
-
-    def _unshard_and_prefetch(self, prefetch: list[FSDPState]) -> None:
-        """Issue this group's all-gather (if not prefetched), then the prefetches, then wait for this group's.
-
-        Issued before the wait, the prefetched all-gathers queue right behind this group's instead of starting
-        after its copy-out: on the first group of a forward, whose all-gather nothing hides, that gap was the
-        next group's wait too."""
-        self.group.start_unshard()
-        for state in prefetch:
-            if state.group is not None:
-                state.group.start_unshard()
-        self.group.unshard()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         return _prefetch_targets(self, self.backward_prefetch, (self.root or self).forward_order, -1)

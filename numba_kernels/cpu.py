@@ -251,8 +251,9 @@ def _renamed(fn, name: str):
 
 
 # Same body twice: the parallel one for real buffers, the serial one for tiny
-# ones (see SERIAL_THRESHOLD) and when numba has one thread (no thread pool to wake).
-# Both cached on disk (__pycache__/*.nbi, *.nbc), under different names (see _renamed).
+# ones (see SERIAL_THRESHOLD). Both cached on disk (__pycache__/*.nbi, *.nbc), under
+# different names (see _renamed). Running the serial one for every buffer when numba has
+# one thread was measured and dropped: same step time, higher peak (docs/kernels.md).
 # error_model="numpy": x / 0 gives inf/nan like torch instead of raising.
 _kernel_parallel = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_kernel_body)
 _kernel_serial = njit(parallel=False, cache=True, nogil=True, error_model="numpy")(
@@ -280,8 +281,7 @@ def run_blocks(
     pass ``None`` for the one not used. ``total`` (elements moved) picks the
     serial kernel for tiny buffers. Callers (``ops.py``) have validated bounds.
     """
-    serial = total is not None and total < SERIAL_THRESHOLD or numba.get_num_threads() == 1
-    kernel = _kernel_serial if serial else _kernel_parallel
+    kernel = _kernel_serial if total is not None and total < SERIAL_THRESHOLD else _kernel_parallel
     kernel(
         _readonly(blk),
         _DUMMY_F32 if src_f32 is None else src_f32,

@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 
-import numba
 import numpy as np
 import pytest
 import torch
@@ -198,17 +197,7 @@ def test_serial_kernel_is_compiled_serial() -> None:
 
 
 def test_parallel_path_large_group() -> None:
-    """Above the serial threshold the prange kernel runs (given more than one numba thread); uneven shapes
-    across many blocks."""
-    threads = numba.get_num_threads()
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    try:
-        _check_large_group()
-    finally:
-        numba.set_num_threads(threads)
-
-
-def _check_large_group() -> None:
+    """Above the serial threshold the prange kernel runs; uneven shapes across many blocks."""
     gen = torch.Generator().manual_seed(3)
     layout = nk.GroupLayout([(1001, 97), (3,), (77777,), (129, 33, 5)], 3)
     grads = [random_values(gen, s, torch.float32, "cpu") for s in layout.shapes]

@@ -3,7 +3,7 @@
 All-gather: this rank's flat shard -> (copy-in with cast, skipped when no cast is needed: the shard buffer
 itself is the input) -> one all-gather -> (copy-out) -> the unsharded flat buffer.
 Reduce-scatter: the unsharded gradients -> (copy-in: pad, pre-divide, cast) -> one reduce-scatter (on gloo
-an in-place all-reduce of the staging buffer, faster there) [-> all-reduce across replicas for HSDP] ->
+from 4 MiB an in-place all-reduce of the staging buffer, faster there) [-> all-reduce across replicas for HSDP] ->
 (post-reduce: divide, upcast, accumulate) -> the sharded gradient buffer.
 
 Collectives are issued with ``async_op=True``; the returned handle's ``wait()`` finishes the step. On CUDA,
@@ -83,7 +83,8 @@ def start_reduce_scatter(
     """Stage the unsharded gradients (pad, pre-divide, cast in one kernel) and issue the reduce-scatter.
 
     ``output``: where the reduced shard goes (e.g. the sharded gradient buffer itself; default a new buffer)
-    on backends that reduce-scatter; on gloo it stays in the staging buffer (``handle.output`` says where).
+    when the backend reduce-scatters; on gloo from 4 MiB it stays in the staging buffer (``handle.output``
+    says where either way).
     """
     staged = buffers.empty((layout.world_size, layout.shard_numel), reduce_dtype, device)
     reduce_scatter_copy_in(layout, grads, staged, predivide=predivide)

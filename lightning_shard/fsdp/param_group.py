@@ -319,7 +319,9 @@ class FSDPParamGroup:
 
         That needs no cast (reduce dtype = parameter dtype), no CPU offload and no earlier gradient to
         accumulate into. It saves a shard-sized temporary at the end of each group's backward, where the
-        step's memory peaks (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient).
+        step's memory peaks (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). Where the
+        reduction stays in the staging buffer instead (gloo from 4 MiB, ``comm.reduce_scatter_scratch``), the
+        post-reduce fills this buffer from there, in the pass that would otherwise divide it in place.
         """
         if self.reduce_dtype != self.orig_dtype or self.shard_device != self.device:
             return None

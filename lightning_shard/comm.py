@@ -27,6 +27,7 @@ __all__ = [
     "all_gather_into",
     "reduce_scatter_into",
     "reduce_scatter_scratch",
+    "reduces_in_place",
     "all_reduce",
     "all_to_all_single",
     "broadcast",
@@ -108,13 +109,23 @@ def reduce_scatter_scratch(
         work, chunk = reduce_scatter_scratch(staged, group, async_op=True)
         work.wait()  # chunk now holds the sum over ranks of this rank's chunk of ``staged``
     """
-    if input.numel() * input.element_size() >= _GLOO_ALL_REDUCE_MIN_BYTES and "gloo" in str(dist.get_backend(group)):
+    if reduces_in_place(input.numel() * input.element_size(), group):
         _record("reduce_scatter", input)
         work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         return work, input.view(dist.get_world_size(group), -1)[dist.get_group_rank(group, dist.get_rank())]
     if output is None:
         output = input.new_empty(input.numel() // dist.get_world_size(group))
     return reduce_scatter_into(output, input, group, "sum", async_op=async_op), output
+
+
+def reduces_in_place(nbytes: int, group: dist.ProcessGroup) -> bool:
+    """Whether ``reduce_scatter_scratch`` of an ``nbytes`` input over ``group`` leaves the result in the input
+    (an all-reduce in place; its ``output`` is then unused).
+
+    >>> reduces_in_place(4 << 20, gloo_group), reduces_in_place(1 << 20, gloo_group)
+    (True, False)
+    """
+    return nbytes >= _GLOO_ALL_REDUCE_MIN_BYTES and "gloo" in str(dist.get_backend(group))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", async_op: bool = False):

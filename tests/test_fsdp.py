@@ -153,7 +153,7 @@ def _reduce_scatter_as_all_reduce():
 def test_gradient_reduction_as_gloo_all_reduce_freed_and_accumulated():
     with _reduce_scatter_as_all_reduce() as calls:
         _check_gradients_freed_and_accumulated()
-    assert len(calls) == 4 * (len(make_model().blocks) + 1)  # 4 backward passes, one per group each
+    assert len(calls) == 5 * (len(make_model().blocks) + 1)  # 5 backward passes, one per group each
 
 
 @distributed(world_size=2)
@@ -207,12 +207,20 @@ def _check_gradients_freed_and_accumulated():
     backward(x2, y2)
     assert_grads_match()
     assert all(g.grad_flat is k for g, k in zip(groups, kept))
-    opt.zero_grad()  # set_to_none: the next forward frees the buffer, as torch frees its gradients
+    del kept
+    opt.zero_grad()  # set_to_none: frees the buffer at once, as torch frees its gradients
     ref.zero_grad()
-    loss = loss_fn(model, rank_slice(x1, rank, world), rank_slice(y1, rank, world))
     assert all(g.grad_flat is None for g in groups)
+    loss = loss_fn(model, rank_slice(x1, rank, world), rank_slice(y1, rank, world))
     loss.backward()
     loss_fn(ref, x1, y1).backward()
+    assert_grads_match()
+    held = next(p.grad for p in model.parameters() if p.grad is not None)  # a gradient the user holds on to
+    held_values = held.to_local().clone()
+    opt.zero_grad()
+    ref.zero_grad()
+    backward(x2, y2)
+    assert torch.equal(held.to_local(), held_values)  # never overwritten by a later reduction
     assert_grads_match()
 
 

@@ -9,7 +9,7 @@ Memory layout (the point where we go beyond torch FSDP2):
   view into it. Its storage is freed (resized to 0) on reshard and re-allocated on unshard, so the views,
   which autograd may have saved for backward, stay valid across the two all-gathers of a step.
 * ``grad_flat``: the sharded gradients, one fp32 buffer; each parameter's ``.grad`` is a DTensor view
-  into it, so post-reduce is one fused kernel for the whole group.
+  into it, so post-reduce is one fused kernel for the whole group. Held weakly: ``zero_grad()`` frees it.
 
 Example::
 
@@ -19,12 +19,14 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_shard import comm
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -113,8 +115,7 @@ class FSDPParamGroup:
         self.shard_flat = self._shard_originals(originals)
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         self._free_unsharded_storage()
-        self.grad_flat: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor] = []
+        self._grad_flat_ref: weakref.ref[torch.Tensor] | None = None  # see the grad_flat property
         self.is_unsharded = False
         self.pending_all_gather: collectives.CollectiveHandle | None = None
         self.pending_reduce: collectives.CollectiveHandle | None = None
@@ -184,7 +185,7 @@ class FSDPParamGroup:
         self._free_unsharded_storage()
         for fp in self.params:
             fp.unsharded = None
-        self.grad_flat = None
+        self._grad_flat_ref = None
         if self.post_forward is not None:  # its views point into the old unsharded buffer: build it again
             size, self.post_forward = self.post_forward.layout.world_size, None
             self.configure_post_forward(size)
@@ -315,71 +316,94 @@ class FSDPParamGroup:
         )
 
     def _direct_reduce_output(self) -> torch.Tensor | None:
-        """The sharded gradient buffer, when the reduce-scatter can write the gradients into it directly.
+        """A new sharded gradient buffer, when the reduce-scatter can write the gradients into it directly.
 
         That needs no cast (reduce dtype = parameter dtype), no CPU offload and no earlier gradient to
         accumulate into. It saves a shard-sized temporary at the end of each group's backward, where the
         step's memory peaks (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). Where the
         reduction stays in the staging buffer instead (gloo from 4 MiB, ``comm.reduce_scatter_scratch``), the
-        post-reduce fills this buffer from there, in the pass that would otherwise divide it in place.
+        post-reduce fills the gradient buffer from there, in the pass that would otherwise divide it in place.
         """
         if self.reduce_dtype != self.orig_dtype or self.shard_device != self.device:
             return None
         if any(fp.sharded.grad is not None for fp in self.params):
             return None
-        return self._ensure_grad_flat()
+        staged_bytes = self.layout.world_size * self.layout.shard_numel * self.reduce_dtype.itemsize
+        if comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group):
+            return None  # allocated at finish_reduce instead: not alive beside this group's unsharded gradients
+        return self._new_grad_flat()
 
     def finish_reduce(self) -> None:
         """Wait for the in-flight reduce-scatter and fold it into the sharded ``.grad`` DTensors."""
         if self.pending_reduce is None:
             return
         handle, self.pending_reduce = self.pending_reduce, None
-        accumulate = handle.output is not self.grad_flat and self._prepare_grad_flat()
+        if handle.output is self.grad_flat:  # the reduce-scatter wrote straight into a new gradient buffer
+            grad_flat, accumulate = handle.output, False
+        else:
+            grad_flat, accumulate = self._gradient_target()
         _, postdivide = self._divide_factors()
         collectives.finish_reduce_scatter(
-            self.layout, handle, self.grad_flat, postdivide, accumulate, self.mesh_info.replicate_group
+            self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group
         )
-        self._assign_grads()
+        self._assign_grads(grad_flat)
 
     def _divide_factors(self) -> tuple[float | None, float | None]:
         return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)
 
-    def release_cleared_grads(self) -> None:
-        """Free the sharded gradient buffer once every ``.grad`` is None (``optimizer.zero_grad()``).
+    @property
+    def grad_flat(self) -> torch.Tensor | None:
+        """The sharded gradient buffer (its views are the local tensors of the ``.grad`` DTensors), or None.
 
-        torch frees its sharded gradients there too; keeping ours would hold a whole gradient shard through the
-        next forward and backward, the peak of the step. The next reduce-scatter allocates a new buffer.
+        The group holds it weakly, so it lives exactly as long as a ``.grad`` (or a reduction in flight) uses
+        it: ``optimizer.zero_grad()`` frees it at once, as torch frees its sharded gradients, instead of it
+        being held through the next forward and backward, where the step's memory peaks.
         """
-        if self.grad_flat is not None and all(fp.sharded.grad is None for fp in self.params):
-            self.grad_flat = None
-            self.grad_views = []
+        return None if self._grad_flat_ref is None else self._grad_flat_ref()
 
-    def _ensure_grad_flat(self) -> torch.Tensor:
-        if self.grad_flat is None:
-            # Uninitialised is fine: the reduce (or post-reduce without accumulation) writes every element.
-            self.grad_flat = buffers.empty(self.layout.shard_numel, self.orig_dtype, self.shard_device)
-            # One view per parameter, made once: these are the local tensors of the ``.grad`` DTensors.
-            self.grad_views = [self._local_view(self.grad_flat, i) for i in range(len(self.params))]
-        return self.grad_flat
+    def _new_grad_flat(self) -> torch.Tensor:
+        # Uninitialised is fine: the reduce (or post-reduce without accumulation) writes every element.
+        flat = buffers.empty(self.layout.shard_numel, self.orig_dtype, self.shard_device)
+        self._grad_flat_ref = weakref.ref(flat)
+        return flat
 
-    def _prepare_grad_flat(self) -> bool:
-        """Make ``grad_flat`` hold the current ``.grad`` values; return whether post-reduce accumulates."""
-        self._ensure_grad_flat()
+    def _gradient_target(self) -> tuple[torch.Tensor, bool]:
+        """The buffer the post-reduce writes, holding the current ``.grad`` values, and whether it accumulates.
+
+        With every ``.grad`` None: a new buffer, overwritten (a gradient tensor the user kept is never
+        written). Otherwise the current buffer if some ``.grad`` still views it, else a new one, with each
+        ``.grad``'s values copied in (zeros for None).
+        """
         existing = [fp.sharded.grad for fp in self.params]
         if all(g is None for g in existing):
-            return False
-        for g, view in zip(existing, self.grad_views):
+            return self._new_grad_flat(), False
+        flat = self.grad_flat
+        if flat is None or not any(g is not None and _shares_storage(g._local_tensor, flat) for g in existing):
+            flat = self._new_grad_flat()
+        for i, g in enumerate(existing):
+            view = self._local_view(flat, i)
             if g is None:
                 view.zero_()
-            elif g._local_tensor is not view:
+            elif not _is_same_view(g._local_tensor, view):
                 view.copy_(g._local_tensor)  # the user replaced .grad: take its values
-        return True
+        return flat, True
 
-    def _assign_grads(self) -> None:
-        for fp, view in zip(self.params, self.grad_views):
+    def _assign_grads(self, grad_flat: torch.Tensor) -> None:
+        for i, fp in enumerate(self.params):
+            if not fp.requires_grad:
+                continue
+            view = self._local_view(grad_flat, i)
             g = fp.sharded.grad
-            if fp.requires_grad and (g is None or g._local_tensor is not view):
+            if g is None or not _is_same_view(g._local_tensor, view):
                 fp.sharded.grad = DTensor(view, fp.sharded._spec, requires_grad=False)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _shares_storage(a, b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
 def _match_numba_threads_to_torch() -> None:

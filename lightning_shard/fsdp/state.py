@@ -115,7 +115,6 @@ class FSDPState:
         for state in self.all_states:  # a forward after a backward that ended early (e.g. an exception)
             if state.group is not None:
                 state.group.finish_reduce()
-                state.group.release_cleared_grads()
                 if state.group.post_forward is not None:  # from a forward whose backward never ran
                     state.group.post_forward.release()
         if self.forward_order:
@@ -198,10 +197,12 @@ class FSDPState:
             previous = root.last_reducing_group
             if previous is not None and previous is not self.group:
                 previous.finish_reduce()
-            self.group.post_backward()
-            root.last_reducing_group = self.group
+            # Free the unsharded parameters before staging the gradients (they stay attached to the unsharded
+            # parameter objects), so the two are never alive together; torch's FSDP2 orders it the same way.
             if self.group.reshard_after_backward:
                 self.group.reshard()
+            self.group.post_backward()
+            root.last_reducing_group = self.group
         self.post_backward_done = True
 
     def _root_post_backward_final(self) -> None:

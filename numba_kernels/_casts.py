@@ -5,9 +5,9 @@ int64 so that numba never mixes signed and unsigned types and silently promotes
 to float64). ``cpu.py`` wraps them with ``numba.njit(inline="always")`` and
 ``cuda.py`` with ``numba.cuda.jit(device=True)``; the CUDA simulator runs them as
 plain Python. Keeping one source for both targets is what makes the CPU, CUDA
-and simulator results bit-identical. The exception: on CPU the two bf16 conversions
-are these formulas rewritten as 32-bit LLVM IR (``cpu._f32_to_bf16``), which vectorises
-twice as wide; the tests compare both against torch bit for bit.
+and simulator results bit-identical. The exception: on CPU the four conversions are
+these formulas rewritten as 32-bit LLVM IR (``cpu._f32_to_bf16`` etc.), which vectorises;
+the tests compare both against torch bit for bit.
 
 Rounding is round-to-nearest-even, the rule torch uses for ``.to(torch.bfloat16)``
 and ``.to(torch.float16)``. NaN stays NaN (canonical quiet NaN; torch's own NaN

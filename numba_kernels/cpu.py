@@ -34,8 +34,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import _casts
-
 # Numba's default OpenMP layer keeps its worker threads spinning after each parallel kernel. Next to torch's
 # own threads, in several ranks per machine, the spinning threads take the cores from the compute that follows
 # (measured: a 4x slower training step on 2 CPU ranks). The workqueue layer's idle threads sleep instead. A
@@ -49,30 +47,6 @@ SERIAL_THRESHOLD = 1 << 17
 
 _DUMMY_F32 = np.zeros(1, np.float32)
 _DUMMY_U16 = np.zeros(1, np.uint16)
-
-
-@intrinsic
-def _f32_to_bits(typingctx, x):
-    """Reinterpret a float32 as its IEEE bits (zero-extended to int64)."""
-    sig = types.int64(types.float32)
-
-    def codegen(context, builder, signature, args):
-        i32 = builder.bitcast(args[0], ir.IntType(32))
-        return builder.zext(i32, ir.IntType(64))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_to_f32(typingctx, u):
-    """Reinterpret the low 32 bits of an int64 as a float32."""
-    sig = types.float32(types.int64)
-
-    def codegen(context, builder, signature, args):
-        i32 = builder.trunc(args[0], ir.IntType(32))
-        return builder.bitcast(i32, ir.FloatType())
-
-    return sig, codegen
 
 
 @intrinsic
@@ -148,8 +122,72 @@ def _bf16_to_f32(typingctx, h):
     return sig, codegen
 
 
-_to_f16 = njit(inline="always")(_casts.f32_bits_to_f16)
-_from_f16 = njit(inline="always")(_casts.f16_to_f32_bits)
+@intrinsic
+def _f32_to_f16(typingctx, x):
+    """float32 -> IEEE half bits, round-to-nearest-even: ``_casts.f32_bits_to_f16`` in 32-bit integer IR, its
+    five cases (NaN, overflow, normal, underflow to zero, subnormal) computed side by side and picked with
+    selects, so the loop vectorises (see _f32_to_bf16)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(i32, v)
+
+        u = builder.bitcast(args[0], i32)
+        sign = builder.and_(builder.lshr(u, const(16)), const(0x8000))
+        a = builder.and_(u, const(0x7FFFFFFF))
+        # normal half: rebias the exponent, round the 13 dropped bits to nearest even
+        lsb = builder.and_(builder.lshr(a, const(13)), const(1))
+        normal = builder.sub(builder.lshr(builder.add(builder.add(a, const(0xFFF)), lsb), const(13)), const(0x1C000))
+        # subnormal half: shift the 24-bit significand right by 126 - exponent (14..24 here), rounding to even
+        in_subnormal_range = builder.icmp_unsigned("<", a, const(0x38800000))
+        shift = builder.select(in_subnormal_range, builder.sub(const(126), builder.lshr(a, const(23))), const(14))
+        m = builder.or_(builder.and_(a, const(0x7FFFFF)), const(0x800000))
+        half_ulp = builder.sub(builder.shl(const(1), builder.sub(shift, const(1))), const(1))
+        odd = builder.and_(builder.lshr(m, shift), const(1))
+        subnormal = builder.lshr(builder.add(builder.add(m, half_ulp), odd), shift)
+        r = builder.select(builder.icmp_unsigned("<=", a, const(0x33000000)), const(0), subnormal)
+        r = builder.select(builder.icmp_unsigned(">=", a, const(0x38800000)), normal, r)
+        r = builder.select(builder.icmp_unsigned(">=", a, const(0x477FF000)), const(0x7C00), r)
+        r = builder.select(builder.icmp_unsigned(">", a, const(0x7F800000)), const(0x7E00), r)
+        return builder.trunc(builder.or_(sign, r), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def _f16_to_f32(typingctx, h):
+    """IEEE half bits -> float32 (exact): ``_casts.f16_to_f32_bits`` in 32-bit integer IR, the subnormal
+    normalisation done with a count of leading zeros instead of a loop (see _f32_to_f16)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(i32, v)
+
+        h = builder.zext(args[0], i32)
+        sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
+        e = builder.and_(builder.lshr(h, const(10)), const(0x1F))
+        m = builder.and_(h, const(0x3FF))
+        m_bits = builder.shl(m, const(13))
+        inf_nan = builder.or_(const(0x7F800000), m_bits)
+        normal = builder.or_(builder.shl(builder.add(e, const(112)), const(23)), m_bits)
+        # subnormal: shift the leading one of m to bit 10 (s = 1..10 places), lowering the exponent as much
+        s = builder.sub(builder.ctlz(m, ir.Constant(ir.IntType(1), 0)), const(21))
+        subnormal = builder.or_(
+            builder.shl(builder.sub(const(113), s), const(23)),
+            builder.shl(builder.and_(builder.shl(m, s), const(0x3FF)), const(13)),
+        )
+        r = builder.select(builder.icmp_unsigned("==", m, const(0)), const(0), subnormal)
+        r = builder.select(builder.icmp_unsigned("!=", e, const(0)), normal, r)
+        r = builder.select(builder.icmp_unsigned("==", e, const(0x1F)), inf_nan, r)
+        return builder.bitcast(builder.or_(sign, r), ir.FloatType())
+
+    return sig, codegen
 
 
 # Element loaders/storers, one per dtype code, all with the same signature
@@ -169,7 +207,7 @@ def _ld_bf16(af, a16, i):
 
 @njit(inline="always")
 def _ld_f16(af, a16, i):
-    return _bits_to_f32(_from_f16(np.int64(a16[i])))
+    return _f16_to_f32(a16[i])
 
 
 @njit(inline="always")
@@ -184,7 +222,7 @@ def _st_bf16(af, a16, i, v):
 
 @njit(inline="always")
 def _st_f16(af, a16, i, v):
-    a16[i] = _to_f16(_f32_to_bits(v))
+    a16[i] = _f32_to_f16(v)
 
 
 def _make_seg(ld, st, ldd):

@@ -141,8 +141,11 @@ def _f32_to_f16(typingctx, x):
         # normal half: rebias the exponent, round the 13 dropped bits to nearest even
         lsb = builder.and_(builder.lshr(a, const(13)), const(1))
         normal = builder.sub(builder.lshr(builder.add(builder.add(a, const(0xFFF)), lsb), const(13)), const(0x1C000))
-        # subnormal half: shift the 24-bit significand right by 126 - exponent (14..24 here), rounding to even
-        in_subnormal_range = builder.icmp_unsigned("<", a, const(0x38800000))
+        # subnormal half: shift the 24-bit significand right by 126 - exponent (14..24 in this range; other
+        # lanes shift by 14, so that no shift reaches 32 bits, which LLVM leaves undefined), rounding to even
+        in_subnormal_range = builder.and_(
+            builder.icmp_unsigned(">", a, const(0x33000000)), builder.icmp_unsigned("<", a, const(0x38800000))
+        )
         shift = builder.select(in_subnormal_range, builder.sub(const(126), builder.lshr(a, const(23))), const(14))
         m = builder.or_(builder.and_(a, const(0x7FFFFF)), const(0x800000))
         half_ulp = builder.sub(builder.shl(const(1), builder.sub(shift, const(1))), const(1))

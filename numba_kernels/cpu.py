@@ -84,6 +84,14 @@ def _zero_elements(typingctx, dst, start, n):
     return sig, codegen
 
 
+_I32 = ir.IntType(32)
+
+
+def _i32(value: int) -> ir.Constant:
+    """A 32-bit integer constant for the cast intrinsics' IR."""
+    return ir.Constant(_I32, value)
+
+
 @intrinsic
 def _f32_to_bf16(typingctx, x):
     """float32 -> bfloat16 bits, round-to-nearest-even: ``_casts.f32_bits_to_bf16`` in 32-bit integer IR.
@@ -95,16 +103,11 @@ def _f32_to_bf16(typingctx, x):
     sig = types.uint16(types.float32)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-
-        def const(v):
-            return ir.Constant(i32, v)
-
-        u = builder.bitcast(args[0], i32)
-        high = builder.lshr(u, const(16))
-        rounded = builder.lshr(builder.add(builder.add(u, const(0x7FFF)), builder.and_(high, const(1))), const(16))
-        is_nan = builder.icmp_unsigned(">", builder.and_(u, const(0x7FFFFFFF)), const(0x7F800000))
-        quiet_nan = builder.or_(builder.and_(high, const(0x8000)), const(0x7FC0))
+        u = builder.bitcast(args[0], _I32)
+        high = builder.lshr(u, _i32(16))
+        rounded = builder.lshr(builder.add(builder.add(u, _i32(0x7FFF)), builder.and_(high, _i32(1))), _i32(16))
+        is_nan = builder.icmp_unsigned(">", builder.and_(u, _i32(0x7FFFFFFF)), _i32(0x7F800000))
+        quiet_nan = builder.or_(builder.and_(high, _i32(0x8000)), _i32(0x7FC0))
         return builder.trunc(builder.select(is_nan, quiet_nan, rounded), ir.IntType(16))
 
     return sig, codegen
@@ -116,8 +119,7 @@ def _bf16_to_f32(typingctx, h):
     sig = types.float32(types.uint16)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        return builder.bitcast(builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)), ir.FloatType())
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _i32(16)), ir.FloatType())
 
     return sig, codegen
 
@@ -130,31 +132,26 @@ def _f32_to_f16(typingctx, x):
     sig = types.uint16(types.float32)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-
-        def const(v):
-            return ir.Constant(i32, v)
-
-        u = builder.bitcast(args[0], i32)
-        sign = builder.and_(builder.lshr(u, const(16)), const(0x8000))
-        a = builder.and_(u, const(0x7FFFFFFF))
+        u = builder.bitcast(args[0], _I32)
+        sign = builder.and_(builder.lshr(u, _i32(16)), _i32(0x8000))
+        a = builder.and_(u, _i32(0x7FFFFFFF))
         # normal half: rebias the exponent, round the 13 dropped bits to nearest even
-        lsb = builder.and_(builder.lshr(a, const(13)), const(1))
-        normal = builder.sub(builder.lshr(builder.add(builder.add(a, const(0xFFF)), lsb), const(13)), const(0x1C000))
+        lsb = builder.and_(builder.lshr(a, _i32(13)), _i32(1))
+        normal = builder.sub(builder.lshr(builder.add(builder.add(a, _i32(0xFFF)), lsb), _i32(13)), _i32(0x1C000))
         # subnormal half: shift the 24-bit significand right by 126 - exponent (14..24 in this range; other
         # lanes shift by 14, so that no shift reaches 32 bits, which LLVM leaves undefined), rounding to even
         in_subnormal_range = builder.and_(
-            builder.icmp_unsigned(">", a, const(0x33000000)), builder.icmp_unsigned("<", a, const(0x38800000))
+            builder.icmp_unsigned(">", a, _i32(0x33000000)), builder.icmp_unsigned("<", a, _i32(0x38800000))
         )
-        shift = builder.select(in_subnormal_range, builder.sub(const(126), builder.lshr(a, const(23))), const(14))
-        m = builder.or_(builder.and_(a, const(0x7FFFFF)), const(0x800000))
-        half_ulp = builder.sub(builder.shl(const(1), builder.sub(shift, const(1))), const(1))
-        odd = builder.and_(builder.lshr(m, shift), const(1))
+        shift = builder.select(in_subnormal_range, builder.sub(_i32(126), builder.lshr(a, _i32(23))), _i32(14))
+        m = builder.or_(builder.and_(a, _i32(0x7FFFFF)), _i32(0x800000))
+        half_ulp = builder.sub(builder.shl(_i32(1), builder.sub(shift, _i32(1))), _i32(1))
+        odd = builder.and_(builder.lshr(m, shift), _i32(1))
         subnormal = builder.lshr(builder.add(builder.add(m, half_ulp), odd), shift)
-        r = builder.select(builder.icmp_unsigned("<=", a, const(0x33000000)), const(0), subnormal)
-        r = builder.select(builder.icmp_unsigned(">=", a, const(0x38800000)), normal, r)
-        r = builder.select(builder.icmp_unsigned(">=", a, const(0x477FF000)), const(0x7C00), r)
-        r = builder.select(builder.icmp_unsigned(">", a, const(0x7F800000)), const(0x7E00), r)
+        r = builder.select(builder.icmp_unsigned("<=", a, _i32(0x33000000)), _i32(0), subnormal)
+        r = builder.select(builder.icmp_unsigned(">=", a, _i32(0x38800000)), normal, r)
+        r = builder.select(builder.icmp_unsigned(">=", a, _i32(0x477FF000)), _i32(0x7C00), r)
+        r = builder.select(builder.icmp_unsigned(">", a, _i32(0x7F800000)), _i32(0x7E00), r)
         return builder.trunc(builder.or_(sign, r), ir.IntType(16))
 
     return sig, codegen
@@ -167,27 +164,22 @@ def _f16_to_f32(typingctx, h):
     sig = types.float32(types.uint16)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-
-        def const(v):
-            return ir.Constant(i32, v)
-
-        h = builder.zext(args[0], i32)
-        sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
-        e = builder.and_(builder.lshr(h, const(10)), const(0x1F))
-        m = builder.and_(h, const(0x3FF))
-        m_bits = builder.shl(m, const(13))
-        inf_nan = builder.or_(const(0x7F800000), m_bits)
-        normal = builder.or_(builder.shl(builder.add(e, const(112)), const(23)), m_bits)
+        h = builder.zext(args[0], _I32)
+        sign = builder.shl(builder.and_(h, _i32(0x8000)), _i32(16))
+        e = builder.and_(builder.lshr(h, _i32(10)), _i32(0x1F))
+        m = builder.and_(h, _i32(0x3FF))
+        m_bits = builder.shl(m, _i32(13))
+        inf_nan = builder.or_(_i32(0x7F800000), m_bits)
+        normal = builder.or_(builder.shl(builder.add(e, _i32(112)), _i32(23)), m_bits)
         # subnormal: shift the leading one of m to bit 10 (s = 1..10 places), lowering the exponent as much
-        s = builder.sub(builder.ctlz(m, ir.Constant(ir.IntType(1), 0)), const(21))
+        s = builder.sub(builder.ctlz(m, ir.Constant(ir.IntType(1), 0)), _i32(21))
         subnormal = builder.or_(
-            builder.shl(builder.sub(const(113), s), const(23)),
-            builder.shl(builder.and_(builder.shl(m, s), const(0x3FF)), const(13)),
+            builder.shl(builder.sub(_i32(113), s), _i32(23)),
+            builder.shl(builder.and_(builder.shl(m, s), _i32(0x3FF)), _i32(13)),
         )
-        r = builder.select(builder.icmp_unsigned("==", m, const(0)), const(0), subnormal)
-        r = builder.select(builder.icmp_unsigned("!=", e, const(0)), normal, r)
-        r = builder.select(builder.icmp_unsigned("==", e, const(0x1F)), inf_nan, r)
+        r = builder.select(builder.icmp_unsigned("==", m, _i32(0)), _i32(0), subnormal)
+        r = builder.select(builder.icmp_unsigned("!=", e, _i32(0)), normal, r)
+        r = builder.select(builder.icmp_unsigned("==", e, _i32(0x1F)), inf_nan, r)
         return builder.bitcast(builder.or_(sign, r), ir.FloatType())
 
     return sig, codegen

@@ -378,13 +378,13 @@ class FSDPParamGroup:
         if all(g is None for g in existing):
             return self._new_grad_flat(), False
         flat = self.grad_flat
-        if flat is None or not any(g is not None and _shares_storage(g._local_tensor, flat) for g in existing):
+        if flat is None or not any(g is not None and self._views_into(g, flat, i) for i, g in enumerate(existing)):
             flat = self._new_grad_flat()
         for i, g in enumerate(existing):
             view = self._local_view(flat, i)
             if g is None:
                 view.zero_()
-            elif not _is_same_view(g._local_tensor, view):
+            elif not self._views_into(g, flat, i):
                 view.copy_(g._local_tensor)  # the user replaced .grad: take its values
         return flat, True
 
@@ -392,18 +392,16 @@ class FSDPParamGroup:
         for i, fp in enumerate(self.params):
             if not fp.requires_grad:
                 continue
-            view = self._local_view(grad_flat, i)
             g = fp.sharded.grad
-            if g is None or not _is_same_view(g._local_tensor, view):
-                fp.sharded.grad = DTensor(view, fp.sharded._spec, requires_grad=False)
+            if g is None or not self._views_into(g, grad_flat, i):
+                fp.sharded.grad = DTensor(self._local_view(grad_flat, i), fp.sharded._spec, requires_grad=False)
 
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _shares_storage(a, b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    def _views_into(self, grad: DTensor, flat: torch.Tensor, i: int) -> bool:
+        """Whether ``grad``'s local tensor is parameter ``i``'s view into ``flat`` (its address and shape),
+        checked without making the view."""
+        local = grad._local_tensor
+        address = flat.data_ptr() + int(self.layout.shard_offsets[i]) * flat.element_size()
+        return local.data_ptr() == address and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
 
 
 def _match_numba_threads_to_torch() -> None:

@@ -1,13 +1,12 @@
-"""Bit-level float conversions shared by the CPU and CUDA kernels.
+"""Bit-level float conversions of the CUDA kernels (and the formulas the CPU kernels use).
 
 Every function here is plain Python on integers (the IEEE bit patterns, held in
 int64 so that numba never mixes signed and unsigned types and silently promotes
-to float64). ``cpu.py`` wraps them with ``numba.njit(inline="always")`` and
-``cuda.py`` with ``numba.cuda.jit(device=True)``; the CUDA simulator runs them as
-plain Python. Keeping one source for both targets is what makes the CPU, CUDA
-and simulator results bit-identical. The exception: on CPU the four conversions are
-these formulas rewritten as 32-bit LLVM IR (``cpu._f32_to_bf16`` etc.), which vectorises;
-the tests compare both against torch bit for bit.
+to float64). ``cuda.py`` wraps them with ``numba.cuda.jit(device=True)``; the CUDA
+simulator runs them as plain Python. On CPU, ``cpu.py`` writes the same formulas as
+32-bit LLVM IR (``cpu._f32_to_bf16`` etc.), because numba's int64 versions do not
+vectorise well there. The tests compare the CPU, CUDA-simulator and reference
+results against torch bit for bit.
 
 Rounding is round-to-nearest-even, the rule torch uses for ``.to(torch.bfloat16)``
 and ``.to(torch.float16)``. NaN stays NaN (canonical quiet NaN; torch's own NaN

@@ -195,8 +195,9 @@ def token_dataset(n: int = 32, seq: int = 8, seed: int = 1):
     return TensorDataset(token_batch(n, seq, seed))
 
 
-def lit_hf(family: str, lr: float = 0.1, per_rank_batch: int = 2):
-    """A LightningModule training ``build(family)`` with ``lm_loss`` and SGD (momentum 0.9) on ``token_dataset``.
+def lit_hf(family: str, lr: float = 0.1, per_rank_batch: int = 2, save_dir: str | None = None, **save_kwargs):
+    """A LightningModule training ``build(family)`` with ``lm_loss`` and SGD (momentum 0.9) on ``token_dataset``;
+    with ``save_dir``, ``on_train_end`` writes the model with ``save_hf_pretrained(..., **save_kwargs)``.
 
     Example: ``Trainer(strategy="shard_fsdp_tp", max_steps=3).fit(lit_hf("t5"))``.
     """
@@ -218,6 +219,12 @@ def lit_hf(family: str, lr: float = 0.1, per_rank_batch: int = 2):
 
         def train_dataloader(self):
             return DataLoader(token_dataset(), batch_size=per_rank_batch, shuffle=False)
+
+        def on_train_end(self):
+            if save_dir is not None:
+                from lightning_shard.checkpoint import save_hf_pretrained
+
+                save_hf_pretrained(self.model, save_dir, **save_kwargs)  # every rank; rank 0 writes
 
     return LitHF()
 

@@ -140,3 +140,22 @@ def test_write_failure_is_raised_on_every_rank(tmp_path):
     fully_shard(model)
     with pytest.raises((OSError, RuntimeError), match="rank 0 failed to write|File exists"):
         save_hf_pretrained(model, target[0])
+
+
+@distributed(world_size=2)
+def test_uneven_and_empty_shards_are_written_exactly(tmp_path):
+    from torch import nn
+
+    from lightning_shard.fsdp import fully_shard
+
+    directory = [str(tmp_path)]
+    dist.broadcast_object_list(directory, src=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 1))  # 7 rows: 4 + 3; bias (1,): 1 + 0
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fully_shard(model)
+    save_hf_pretrained(model, directory[0])
+    if dist.get_rank() == 0:
+        ours = _saved_tensors(directory[0])
+        assert ours.keys() == expected.keys()
+        assert all(torch.equal(ours[k], expected[k]) for k in expected)

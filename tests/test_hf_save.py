@@ -86,12 +86,12 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
-def _fit_and_save(family: str, directory: str, **save_kwargs):
+def _fit_and_save(family: str, directory: str, strategy="shard_fsdp_tp", **save_kwargs):
     module = lit_hf(family, save_dir=directory, **save_kwargs)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="shard_fsdp_tp",
+        strategy=strategy,
         max_steps=2,
         logger=False,
         enable_checkpointing=False,
@@ -123,6 +123,19 @@ def test_trained_under_fsdp_then_from_pretrained_is_bit_exact(tmp_path):
     if dist.get_rank() == 0:
         t5 = _loader("t5").from_pretrained(os.path.join(directory[0], "t5"))
         assert t5.lm_head.weight is t5.shared.weight  # written once, tied again by from_pretrained
+
+
+@distributed(world_size=2)
+def test_saved_from_tensor_parallel_is_bit_exact(tmp_path):
+    directory = [str(tmp_path / "llama-tp")]
+    dist.broadcast_object_list(directory, src=0)
+    model = _fit_and_save("llama", directory[0], strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2))
+    assert any(p.device_mesh.size(1) == 2 and p.placements[1].is_shard() for p in model.parameters())
+    full = get_model_state_dict(model, full_state_dict=True)
+    if dist.get_rank() == 0:
+        theirs = _loader("llama").from_pretrained(directory[0]).state_dict()
+        assert theirs.keys() == full.keys()
+        assert all(torch.equal(theirs[k], v) for k, v in full.items())
 
 
 @distributed(world_size=2)

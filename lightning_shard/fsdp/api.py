@@ -136,7 +136,10 @@ def fully_shard(
     """Shard ``module``'s parameters (those not already sharded by a nested call) over ``mesh``.
 
     Apply bottom-up: blocks first, then the root. A list of modules forms one group (for parameters tied
-    across modules). ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
+    across modules). A parameter that another call already sharded, met here under another name (a tie
+    between the two calls' modules), raises: two groups would untie it. Put the modules in one list, or pass
+    the parameter in ``ignored_params`` of the inner calls so that the enclosing call manages it.
+    ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
     Parameters become our DTensors ``Shard(0)`` (``(Replicate(), Shard(0))`` on a 2-D mesh); buffers stay
     plain and replicated. ``reshard_after_forward`` frees unsharded parameters after forward (True) or keeps
     them until after backward (False); an int ``k`` keeps a ``k``-way shard after forward, so the backward
@@ -279,7 +282,7 @@ _TAKEN = "_ls_fsdp_taken_by"
 
 @dataclass(frozen=True)
 class _Taken:
-    fqn: str  # relative to the call's first module
+    fqn: str  # relative to the module of that call that holds it
     modules: tuple[weakref.ref, ...]
     what: str  # "fully_shard(T5Stack)"
 

@@ -56,7 +56,7 @@ def shared_params_to_leave(model: nn.Module, units: list[nn.Module], fsdp_unit) 
     With ``fsdp_unit="auto"`` a unit that holds only some names of a shared parameter leaves it to the
     innermost enclosing unit that holds them all (T5: the embedding used by both ``T5Stack`` units goes to the
     root), so the tie is kept. A unit the user chose is not changed behind their back: a split raises, on
-    every rank before any collective, naming both names and the fix.
+    every rank alike (before fully_shard runs, so no rank waits in a collective), naming both names and the fix.
 
     Example: ``shared_params_to_leave(t5, [t5.encoder, t5.decoder], "auto")`` -> ``{t5.encoder: ..., t5.decoder: ...}``.
     """

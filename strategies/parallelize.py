@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from lightning_shard.fsdp.units import find_repeated_blocks
+from lightning_shard.fsdp.units import SharedSplit, find_repeated_blocks, split_shared_params
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
 
@@ -50,6 +50,29 @@ def find_fsdp_units(model: nn.Module, fsdp_unit: str | set[type] | Callable[[nn.
     return sorted(chosen, key=lambda m: -depth.get(id(m), 0))
 
 
+def shared_params_to_leave(model: nn.Module, units: list[nn.Module], fsdp_unit) -> dict[nn.Module, SharedSplit]:
+    """Per unit, the shared (tied) parameters it must leave to an enclosing unit (the root at the latest).
+
+    With ``fsdp_unit="auto"`` a unit that holds only some names of a shared parameter leaves it to the
+    innermost enclosing unit that holds them all (T5: the embedding used by both ``T5Stack`` units goes to the
+    root), so the tie is kept. A unit the user chose is not changed behind their back: a split raises, on
+    every rank alike (before fully_shard runs, so no rank waits in a collective), naming both names and the fix.
+
+    Example: ``shared_params_to_leave(t5, [t5.encoder, t5.decoder], "auto")`` -> ``{t5.encoder: ..., t5.decoder: ...}``.
+    """
+    leave = split_shared_params(model, units)
+    if leave and fsdp_unit != "auto":
+        unit, split = next(iter(leave.items()))
+        inside, outside = split.pairs[0]
+        raise ValueError(
+            f"shard_fsdp_tp: fsdp_unit={fsdp_unit!r} makes {type(unit).__name__} an FSDP unit that holds parameter "
+            f"{inside!r} but not {outside!r}, which is the same (tied) parameter; the two FSDP groups would each "
+            "train their own copy. Use fsdp_unit='auto' (shared parameters stay in the enclosing unit), or choose "
+            "units that each hold every use of a shared parameter or none of them."
+        )
+    return leave
+
+
 def apply_parallelism(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -74,15 +97,19 @@ def apply_parallelism(
     if activation_checkpointing_policy:
         _apply_activation_checkpointing(model, activation_checkpointing_policy)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    for unit in find_fsdp_units(model, fsdp_unit):
+    units = find_fsdp_units(model, fsdp_unit)
+    leave = shared_params_to_leave(model, units, fsdp_unit)
+    for unit in units:
         fully_shard(
             unit,
             mesh=fsdp_mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload,
+            ignored_params=leave.get(unit, SharedSplit.none()).params,
         )
         summary["fsdp_units"].append(type(unit).__name__)
+    summary["shared_left_to_parent"] = sorted({pair[0] for split in leave.values() for pair in split.pairs})
     fully_shard(
         model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
     )

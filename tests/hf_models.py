@@ -185,3 +185,61 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     Example: ``lm_loss(build("gpt2"), token_batch())`` -> a scalar tensor.
     """
     return model(input_ids=ids, labels=ids).loss
+
+
+# ------------------------------------------------------------------------------------------------ Trainer runs
+def token_dataset(n: int = 32, seq: int = 8, seed: int = 1):
+    """``n`` rows of token ids (a TensorDataset), the same on every rank."""
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(token_batch(n, seq, seed))
+
+
+def lit_hf(family: str, lr: float = 0.1, per_rank_batch: int = 2, save_dir: str | None = None, **save_kwargs):
+    """A LightningModule training ``build(family)`` with ``lm_loss`` and SGD (momentum 0.9) on ``token_dataset``;
+    with ``save_dir``, ``on_train_end`` writes the model with ``save_hf_pretrained(..., **save_kwargs)``.
+
+    Example: ``Trainer(strategy="shard_fsdp_tp", max_steps=3).fit(lit_hf("t5"))``.
+    """
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class LitHF(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build(family)
+
+        def training_step(self, batch, batch_idx):
+            loss = lm_loss(self.model, batch[0])
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+
+        def train_dataloader(self):
+            return DataLoader(token_dataset(), batch_size=per_rank_batch, shuffle=False)
+
+        def on_train_end(self):
+            if save_dir is not None:
+                from lightning_shard.checkpoint import save_hf_pretrained
+
+                save_hf_pretrained(self.model, save_dir, **save_kwargs)  # every rank; rank 0 writes
+
+    return LitHF()
+
+
+def reference_params(family: str, steps: int, world: int = 2, lr: float = 0.1, per_rank_batch: int = 2):
+    """One process, the same global batches as ``world`` data-parallel ranks of ``lit_hf(family)`` see under
+    Lightning's DistributedSampler: ``{fqn: tensor}`` after ``steps`` SGD steps."""
+    from tests.lightning_models import sampler_batches
+
+    model = build(family)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    data = token_dataset()
+    n = len(data)
+    for idx in sampler_batches(world, per_rank_batch, n=n)[:steps]:
+        opt.zero_grad()
+        lm_loss(model, data[idx][0]).backward()
+        opt.step()
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -10,6 +10,7 @@ Example::
 """
 
 from lightning_shard.checkpoint._consolidate import consolidate
+from lightning_shard.checkpoint.huggingface import save_hf_pretrained
 from lightning_shard.checkpoint.save_load import load, save
 from lightning_shard.checkpoint.state_dict import (
     get_model_state_dict,
@@ -26,4 +27,5 @@ __all__ = [
     "save",
     "load",
     "consolidate",
+    "save_hf_pretrained",
 ]

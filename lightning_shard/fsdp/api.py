@@ -12,7 +12,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -134,7 +136,10 @@ def fully_shard(
     """Shard ``module``'s parameters (those not already sharded by a nested call) over ``mesh``.
 
     Apply bottom-up: blocks first, then the root. A list of modules forms one group (for parameters tied
-    across modules). ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
+    across modules). A parameter that another call already sharded, met here under another name (a tie
+    between the two calls' modules), raises: two groups would untie it. Put the modules in one list, or pass
+    the parameter in ``ignored_params`` of the inner calls so that the enclosing call manages it.
+    ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
     Parameters become our DTensors ``Shard(0)`` (``(Replicate(), Shard(0))`` on a 2-D mesh); buffers stay
     plain and replicated. ``reshard_after_forward`` frees unsharded parameters after forward (True) or keeps
     them until after backward (False); an int ``k`` keeps a ``k``-way shard after forward, so the backward
@@ -153,7 +158,9 @@ def fully_shard(
     device = _mesh_device(mesh)
     ignored = {id(p) for p in (ignored_params or ())}
     params, originals = _collect_params(modules, ignored, device, mesh)
+    registered = [module._parameters[name] for module, name in (fp.refs[0] for fp in params)]
     group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
+    _mark_taken(modules, params, registered)
     state = FSDPState(modules, group, mp_policy, bool(reshard))
     if group is not None:
         group.configure_post_forward(_post_forward_size(reshard))
@@ -253,6 +260,7 @@ def _collect_params(modules, ignored: set[int], device: torch.device, mesh: Devi
                 if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False):
                     continue  # a nested fully_shard owns it
                 fqn = f"{mod_name}.{name}" if mod_name else name
+                _check_not_taken(modules, fqn, p)
                 if isinstance(p, DTensor):
                     _check_tp_param(fqn, p, mesh)
                 refs.setdefault(id(p), []).append((sub, name))
@@ -264,6 +272,54 @@ def _collect_params(modules, ignored: set[int], device: torch.device, mesh: Devi
         originals.append(p if p.device.type in ("meta", device.type) else p.to(device))
     _check_not_top_down(modules)
     return params, originals
+
+
+# A parameter a fully_shard call took keeps its original object registered wherever that call's modules do not
+# reach (e.g. the other T5Stack, or the root's lm_head). Another call meeting that object would shard a second,
+# independent copy: the tie would break silently. The original is marked so that such a call raises instead.
+_TAKEN = "_ls_fsdp_taken_by"
+
+
+@dataclass(frozen=True)
+class _Taken:
+    fqn: str  # relative to the module of that call that holds it
+    modules: tuple[weakref.ref, ...]
+    what: str  # "fully_shard(T5Stack)"
+
+
+def _call_name(modules) -> str:
+    return f"fully_shard({', '.join(type(m).__name__.removeprefix('FSDP') for m in modules)})"
+
+
+def _mark_taken(modules, params: list[FSDPParam], registered: list[nn.Parameter]) -> None:
+    owners = tuple(weakref.ref(m) for m in modules)
+    for fp, p in zip(params, registered):
+        setattr(p, _TAKEN, _Taken(fp.fqn, owners, _call_name(modules)))
+
+
+def _check_not_taken(modules, fqn: str, p: nn.Parameter) -> None:
+    taken: _Taken | None = getattr(p, _TAKEN, None)
+    if taken is None:
+        return
+    other = _name_within(modules, taken)
+    raise ValueError(
+        f"{_call_name(modules)}: parameter {fqn!r} is the same Parameter as {other}, which an earlier "
+        f"{taken.what} call already sharded into its own group; two groups would each train their own copy "
+        "(the tie would silently break). Put every module that uses it in one group: fully_shard([module_a, "
+        "module_b]), or pass it in ignored_params to the fully_shard call of each sub-module that uses it so that "
+        "the enclosing call (e.g. fully_shard(model)) manages it. The Lightning strategy's fsdp_unit='auto' does "
+        "the latter."
+    )
+
+
+def _name_within(modules, taken: _Taken) -> str:
+    """The earlier call's name for the parameter, as a path inside this call's modules when it is one."""
+    owners = [ref() for ref in taken.modules]
+    for root in modules:
+        for mod_name, sub in root.named_modules():
+            if mod_name and any(sub is o for o in owners):
+                return repr(f"{mod_name}.{taken.fqn}")
+    return f"{taken.fqn!r} of {taken.what}"
 
 
 def _check_tp_param(fqn: str, p: DTensor, mesh: DeviceMesh) -> None:

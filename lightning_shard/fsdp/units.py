@@ -1,18 +1,28 @@
-"""Which modules to wrap with ``fully_shard``: the repeated blocks of a model (e.g. transformer layers).
+"""Which modules to wrap with ``fully_shard``: the repeated blocks of a model (e.g. transformer layers), and
+which shared (tied) parameters each of them must leave to an enclosing unit.
 
 Shared by the Lightning strategy (``fsdp_unit="auto"``) and the memory planner, so both group parameters
 the same way.
 
+A parameter registered under several names (a tied embedding and LM head, T5's embedding used by
+``shared``, ``encoder.embed_tokens``, ``decoder.embed_tokens`` and ``lm_head``) must live in exactly one
+FSDP group: two groups would each shard and train their own copy. ``split_shared_params`` finds, for a list
+of units, every shared parameter that a unit holds only some of the names of; such a unit must leave the
+parameter to the innermost enclosing unit that holds all of them (the root at the latest).
+
 Example::
 
-    for block in find_repeated_blocks(model):   # e.g. every LlamaBlock
-        fully_shard(block)
-    fully_shard(model)
+    units = find_repeated_blocks(model)              # e.g. every LlamaBlock
+    leave = split_shared_params(model, units)        # {} for most models; T5: the embedding, per T5Stack
+    for block in units:                              # innermost first
+        fully_shard(block, ignored_params=leave.get(block, SharedSplit.none()).params)
+    fully_shard(model)                               # the root takes what the blocks left
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -36,3 +46,64 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
     candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0]
     block = max(candidates, key=lambda cls: sizes[cls], default=None)
     return [m for m in model.modules() if block is not None and type(m) is block and m is not model]
+
+
+def shared_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:
+    """Every parameter registered under more than one name: ``{id(param): (param, [fqn, ...])}``, names in
+    ``model.named_modules(remove_duplicate=False)`` order (the first is the name ``named_parameters`` reports).
+
+    Example: ``shared_parameters(gpt2)`` -> ``{id: (wte.weight, ["transformer.wte.weight", "lm_head.weight"])}``.
+    """
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for mod_name, sub in model.named_modules(remove_duplicate=False):
+        for name, p in sub.named_parameters(recurse=False):
+            if p is not None:
+                names.setdefault(id(p), (p, []))[1].append(f"{mod_name}.{name}" if mod_name else name)
+    return {k: v for k, v in names.items() if len(v[1]) > 1}
+
+
+@dataclass(frozen=True)
+class SharedSplit:
+    """The shared parameters one unit holds only some names of: ``params`` (to leave to an enclosing unit),
+    and for each, one name inside the unit and one outside it (for error messages).
+
+    Example: for T5's encoder ``SharedSplit(params=(shared,), pairs=(("encoder.embed_tokens.weight",
+    "shared.weight"),))``.
+    """
+
+    params: tuple[nn.Parameter, ...]
+    pairs: tuple[tuple[str, str], ...]
+
+    @staticmethod
+    def none() -> SharedSplit:
+        return SharedSplit((), ())
+
+
+def split_shared_params(model: nn.Module, units: list[nn.Module]) -> dict[nn.Module, SharedSplit]:
+    """For each unit of ``units`` (modules inside ``model``) that holds some but not all names of a shared
+    parameter: that parameter and a name inside / outside. Units that split nothing are absent.
+
+    Example::
+
+        split_shared_params(t5, [t5.encoder, t5.decoder])
+        # {t5.encoder: SharedSplit((shared,), (("encoder.embed_tokens.weight", "shared.weight"),)), t5.decoder: ...}
+    """
+    shared = shared_parameters(model)
+    if not shared:
+        return {}
+    prefixes: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name:
+            prefixes.setdefault(id(m), []).append(name + ".")
+    out: dict[nn.Module, SharedSplit] = {}
+    for unit in units:
+        params, pairs = [], []
+        for p, fqns in shared.values():
+            inside = [n for n in fqns if any(n.startswith(pre) for pre in prefixes.get(id(unit), ()))]
+            outside = [n for n in fqns if n not in inside]
+            if inside and outside:
+                params.append(p)
+                pairs.append((inside[0], outside[0]))
+        if params:
+            out[unit] = SharedSplit(tuple(params), tuple(pairs))
+    return out

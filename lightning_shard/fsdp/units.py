@@ -31,10 +31,14 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Instances of the repeated block class: the non-leaf, non-container class with at least two instances
-    and the most parameters per instance (the outer block when blocks nest).
+    """Instances of the repeated block class: among non-leaf, non-container classes with at least two
+    instances, the one with the most parameters per instance (the outer block when blocks nest). Classes whose
+    instances sit in a container (``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict``: the layer lists of
+    transformers) are preferred, so that a model built of two stacks of layers (T5's encoder and decoder are
+    two ``T5Stack`` instances) is wrapped per layer, not per stack.
 
-    Example: ``find_repeated_blocks(llama)`` -> the ``LlamaBlock`` modules, in module order.
+    Example: ``find_repeated_blocks(llama)`` -> the ``LlamaBlock`` modules, in module order;
+    ``find_repeated_blocks(t5)`` -> the ``T5Block`` modules of both stacks.
     """
     counts: Counter = Counter()
     sizes: dict[type, int] = {}
@@ -43,8 +47,10 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
             continue
         counts[type(m)] += 1
         sizes[type(m)] = sum(p.numel() for p in m.parameters())
+    in_containers = {type(child) for m in model.modules() if isinstance(m, _CONTAINERS) for child in m.children()}
     candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0]
-    block = max(candidates, key=lambda cls: sizes[cls], default=None)
+    listed = [cls for cls in candidates if cls in in_containers]
+    block = max(listed or candidates, key=lambda cls: sizes[cls], default=None)
     return [m for m in model.modules() if block is not None and type(m) is block and m is not model]
 
 

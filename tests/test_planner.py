@@ -42,9 +42,12 @@ def _check(factory, mesh, precision="32-true", batch=4, seq_len=16, optimizer="a
         "comm_total": est.comm_total,
         "comm_reduce_scatter": est.comm["reduce_scatter"],
         "comm_all_reduce": est.comm["all_reduce"],
+        "reduce_scatter_staging": est.reduce_scatter_staging,
+        "buffers": est.buffers,
     }
     if dist.get_rank() == 0:  # TP/FSDP rank 0 holds the largest shards: the planner's per-rank figure
-        for term in (*TERMS, "comm_reduce_scatter", "comm_all_reduce"):
+        assert measured["reduce_scatter_staging"] > 0
+        for term in (*TERMS, "comm_reduce_scatter", "comm_all_reduce", "reduce_scatter_staging", "buffers"):
             m, e = measured[term], predicted[term]
             assert abs(e - m) <= 0.10 * max(m, 1), (factory.__name__, mesh, precision, term, e, m)
 
@@ -63,6 +66,7 @@ def test_estimate_matches_measured_4_ranks():
     _check(Llama, (4, 1), reshard_after_forward=2)  # backward all-gathers send 2-way shards
     _check(Llama, (2, 2))
     _check(Bert, (2, 2), precision="bf16-mixed")
+    _check(Bert, (4, 1), precision="bf16-mixed", optimizer="sgd")  # 2-row token-type embedding on 4 ranks
 
 
 def test_estimate_one_rank_layout_and_padding():

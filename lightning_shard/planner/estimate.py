@@ -12,7 +12,9 @@ Where each number comes from (the engine's real layout, not a rule of thumb):
 * **Unsharded working set**: a group's unsharded flat buffer (compute dtype) is alive between unshard and
   reshard. The root stays unsharded from forward to the end of backward; in backward the current block and
   the prefetched next one are unsharded together, plus the current block's unsharded gradients (compute
-  dtype) and every group's reduce-scatter staging buffer, which the engine keeps until backward ends.
+  dtype) and one group's reduce-scatter staging buffer: the engine finishes the previous group's reduce-scatter
+  (freeing its staging) before the next group stages its gradients (``FSDPState.post_backward``).
+* **Buffers**: registered buffers (causal masks, rotary tables) are neither sharded nor offloaded.
 * **Activations**: tensors saved for backward, measured by running the model's forward on the meta device
   (a deep copy cast to the compute dtype: nothing is allocated) at the real micro-batch and sequence length,
   with ``saved_tensors_hooks`` counting distinct storages (parameters and buffers excluded). Each saved
@@ -373,6 +375,7 @@ class Estimate:
     activations: int
     backward_transient: int
     comm: dict[str, int]
+    buffers: int = 0
     cpu_offload: bool = False
     groups: int = 0
     details: dict = field(default_factory=dict)
@@ -394,6 +397,7 @@ class Estimate:
             + self.reduce_scatter_staging
             + self.activations
             + self.backward_transient
+            + self.buffers
         )
 
     @property
@@ -409,6 +413,7 @@ class Estimate:
             ("reduce-scatter staging", self.reduce_scatter_staging),
             ("activations (saved for backward)", self.activations),
             ("backward transient", self.backward_transient),
+            ("buffers (unsharded)", self.buffers),
             ("device total", self.device_total),
         ]
         lines = [f"mesh dp={self.mesh[0]} x tp={self.mesh[1]}" + (" (CPU offload)" if self.cpu_offload else "")]
@@ -482,11 +487,12 @@ def estimate(
     groups = _groups(model, blocks)
 
     params = grads = optim = 0
-    staging = 0
+    staging_of: list[int] = []  # per group, 0 when it has no trainable parameters
     unsharded: list[int] = []
     for params_of_group in groups:
         if not params_of_group:
             unsharded.append(0)
+            staging_of.append(0)
             continue
         shapes = [local.get(id(p), p.shape) for p in params_of_group]
         shapes = [s if len(s) else torch.Size([1]) for s in shapes]
@@ -495,13 +501,16 @@ def estimate(
         trainable = [i for i, p in enumerate(params_of_group) if p.requires_grad]
         if trainable:
             grads += layout.shard_numel * m_size
-            staging += (dp + 1) * layout.shard_numel * r_size
+            staging_of.append(_staging_bytes(layout, r_size, direct=reduce == master and not cpu_offload))
             local_numel = sum(layout.local_rows(i, 0) * layout.inner_numels[i] for i in trainable)
             optim += n_states * local_numel * m_size
             if optimizer.lower().startswith("adam"):
                 optim += 4 * len(trainable)  # fp32 step counter per parameter
+        else:
+            staging_of.append(0)
         unsharded.append(layout.unsharded_numel * c_size)
 
+    staging = _staging_alive(staging_of)
     root_unsharded = unsharded[-1]
     block_unsharded = unsharded[:-1]
     largest_block = max(block_unsharded, default=0)
@@ -557,10 +566,46 @@ def estimate(
         activations=acts,
         backward_transient=int(per_block),
         comm=comm,
+        buffers=buffer_bytes(model, precision),
         cpu_offload=cpu_offload,
         groups=len([g for g in groups if g]),
         details={"blocks": len(blocks), "block_class": type(blocks[0]).__name__ if blocks else None},
     )
+
+
+def _staging_bytes(layout: GroupLayout, reduce_size: int, *, direct: bool) -> int:
+    """One group's reduce-scatter staging: the ``(dp, shard_numel)`` input in the reduce dtype, plus a separate
+    shard-sized output unless the reduce-scatter writes straight into the gradient buffer (no cast, no offload;
+    ``FSDPParamGroup._direct_reduce_output``), where the output is the sharded gradient itself."""
+    extra = 0 if direct else layout.shard_numel * reduce_size
+    return layout.world_size * layout.shard_numel * reduce_size + extra
+
+
+def _staging_alive(staging_of: list[int]) -> int:
+    """Most staging bytes alive at once, given each group's (blocks in forward order, then the root).
+
+    ``FSDPState.post_backward`` finishes the previous group's reduce-scatter before a block stages its own,
+    so during backward one block's staging is alive at a time. The root's inputs do not require grad, so its
+    reduce-scatter starts in the final callback, which has already forgotten the last reducing group: the
+    staging of the first block (the last one reduced) is still alive then. At most two at once.
+    """
+    *blocks, root = staging_of
+    alone = max(staging_of, default=0)
+    return max(alone, (blocks[0] if blocks else 0) + root)
+
+
+def buffer_bytes(model: nn.Module, precision: str) -> int:
+    """Bytes of the model's registered buffers (e.g. causal masks, rotary tables) on every rank: FSDP and TP
+    leave buffers unsharded. ``*-true`` precisions cast floating buffers with the model; mixed ones keep them."""
+    master, _, _ = precision_dtypes(precision)
+    total, seen = 0, set()
+    for b in model.buffers():
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        dtype = master if b.is_floating_point() and precision.endswith("-true") else b.dtype
+        total += b.numel() * _size(dtype)
+    return total
 
 
 def heads_of(model: nn.Module) -> set[int]:

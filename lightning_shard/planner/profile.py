@@ -20,7 +20,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -424,6 +426,29 @@ class _FlashAttentionOnMeta(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _hugging_face_on_meta():
+    """Hugging Face's mask builder looks for packed sequences in the position ids with a data-dependent check
+    (``tensor.all()`` -> ``bool``), which meta tensors cannot answer. A training batch built from token ids
+    holds one sequence per row: answer "not packed" for meta position ids while the planner runs."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if isinstance(position_ids, torch.Tensor) and position_ids.is_meta:
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
 def _cast_inputs(dtype: torch.dtype):
     def hook(module, args, kwargs):
         def cast(t):
@@ -523,7 +548,7 @@ def profile_activations(
     try:
         with SavedTensorCounter(meta) as counter, flop_counter:
             oplog = _OpLog(counter._stack)
-            with oplog, _FlashAttentionOnMeta():
+            with oplog, _FlashAttentionOnMeta(), _hugging_face_on_meta():
                 if step is not None:
                     out = step(meta, inputs)
                 else:

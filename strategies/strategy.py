@@ -289,7 +289,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         else:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.num_processes)
             device = "cpu"
-        hybrid, _, _ = _SHARDING[self.sharding_strategy]
+        hybrid, _, no_shard = _SHARDING[self.sharding_strategy]
+        if no_shard:  # _build_mesh rejects NO_SHARD with TP: there is nothing to choose
+            rank_zero_info("shard_fsdp_tp: tensor_parallel_size='auto' with NO_SHARD: TP 1 (NO_SHARD excludes TP)")
+            return 1
         try:
             example_input, step, batch, seq_len = _planner_step(module, self.planner_batch, self.planner_seq_len)
             tp, table = choose_tensor_parallel_size(

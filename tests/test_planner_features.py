@@ -159,3 +159,35 @@ def test_strategy_runs_training_step_on_a_batch_of_the_train_dataloader():
     module.example_input_array = torch.zeros(5, 7, dtype=torch.long)
     _, step, batch, seq_len = _planner_step(module, 1, 2048)
     assert step is None and (batch, seq_len) == (5, 7)
+
+
+def test_strategy_auto_passes_its_checkpointing_and_hybrid_sharding_to_the_planner():
+    L = pytest.importorskip("lightning")
+    import strategies
+    from strategies.precision import ShardPrecision
+    from tests.tp_models import LlamaBlock
+
+    class Plain(L.LightningModule):  # layers in __init__, no forward
+        def __init__(self):
+            super().__init__()
+            self.net = Llama()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+        def train_dataloader(self):
+            x = torch.randint(0, 101, (3, 10))
+            return [(x, x)]
+
+    strategy = strategies.ShardFSDPTPStrategy(
+        tensor_parallel_size="auto", activation_checkpointing_policy={LlamaBlock}, sharding_strategy="HYBRID_SHARD",
+        parallel_devices=[torch.device("cpu")] * 2,
+    )  # fmt: skip
+    strategy._lightning_module = Plain()
+    strategy.precision_plugin = ShardPrecision("32-true", "cpu")
+    assert strategy._plan_tensor_parallel_size(4) == 1
+    table = strategy.planner_table
+    assert table is not None and "micro-batch 3 x seq 10" in table  # the train batch, through training_step
+    assert "ac={LlamaBlock}" in table and "hsdp 2x2" in table
+    assert "hybrid sharding (HSDP) does not combine with TP" in table  # TP 2 is never offered

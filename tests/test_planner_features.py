@@ -64,7 +64,7 @@ def test_loss_parallel_shards_the_loss_and_sequence_parallel_the_rest():
     sp = estimate(model, (1, 2), sequence_parallel=True, **kw)
     assert tp2.activations - lp.activations == pytest.approx(loss_bytes / 2, abs=2)
     assert sp.activations < tp2.activations
-    # loss parallel: the loss gradient at full vocabulary, fp32 + its cast, split over TP
+    # the loss gradient at full vocabulary: two fp32 tensors in log-softmax backward; split over TP under LP
     assert tp2.transient_parts["loss_gradient"] == B * T * 101 * 8
     assert lp.transient_parts["loss_gradient"] == B * T * 101 * 8 // 2
     assert lp.comm["all_gather"] < tp2.comm["all_gather"]  # no logits all-gather
@@ -88,7 +88,7 @@ def test_hugging_face_causal_lm_is_planned():
     result = plan(model, 2, 2, "1GB", batch=2, seq_len=8)
     est = result.choice.estimate
     assert est.activations > 0 and est.model_flops > 0
-    assert est.transient_parts["loss_gradient"] == 2 * 8 * hf.VOCAB * 8  # fp32 logits gradient + its fp32 cast
+    assert est.transient_parts["loss_gradient"] == 2 * 8 * hf.VOCAB * 8  # two fp32 logits-sized gradients at once
 
 
 class _MLP(nn.Module):
@@ -114,6 +114,11 @@ def test_flops_and_time_model_against_first_principles():
     t = step_time(est, ideal, devices_per_node=8, precision="32-true")
     assert t.step == pytest.approx(est.hardware_flops / (1e12 * 0.5))  # nothing but compute is left
     assert t.mfu == pytest.approx(0.5) and t.tokens_per_second_per_device == pytest.approx(rows / t.step)
+    # the two ReLUs write (rows, 8) fp32 each and the loss a scalar: memory-bound, 3 bytes moved per byte written
+    assert est.memory_bound_bytes == 2 * rows * 8 * 4 + 4
+    hbm = Device("finite HBM", ideal.peak_flops, 2**30, math.inf, math.inf, 1e6, 0.5, latency=0.0)
+    extra = step_time(est, hbm, 8, "32-true").compute - t.compute
+    assert extra == pytest.approx(3 * est.memory_bound_bytes * 3 / (1e6 * 0.7))
     slow = Device("slow links", ideal.peak_flops, 2**30, 1e3, 1e3, math.inf, 0.5, latency=0.0)
     assert step_time(est, slow, 8, "32-true").step > t.step  # communication longer than compute is exposed
 

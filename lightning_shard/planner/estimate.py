@@ -188,6 +188,7 @@ class Estimate:
     model_flops: int = 0  # this rank's share of forward + backward FLOPs, without recomputation
     hardware_flops: int = 0  # what the rank computes: causal attention halved, plus recomputation
     transient_parts: dict = field(default_factory=dict)
+    memory_bound_bytes: int = 0  # bytes the forward's non-matmul ops write on this rank (time model)
 
     @property
     def model_states(self) -> int:
@@ -431,6 +432,7 @@ def estimate(
         model_flops=int(model_flops),
         hardware_flops=int(hardware),
         transient_parts=transient,
+        memory_bound_bytes=profile.memory_bound_bytes(plan, tp, opts),
     )
 
 

@@ -176,10 +176,23 @@ class _OpLog(TorchDispatchMode):
         self.attention_flops = 0
         self.causal_attention_flops = 0
         self.flops: list[tuple[tuple[str, ...], int]] = []  # (module path, forward FLOPs) per matmul/attention
+        self.memory_bound: list[tuple[tuple[str, ...], int]] = []  # (module path, bytes written) other ops
+
+    def _memory_bound(self, args, kwargs, out) -> None:
+        """Bytes a non-matmul op writes into new storage (views and in-place ops write none): eager
+        elementwise and reduction kernels are bound by memory bandwidth, not FLOPs."""
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        seen = {_storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in seen:
+                seen.add(_storage_key(t))
+                self.memory_bound.append((tuple(self.stack), t.untyped_storage().nbytes()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if name not in _MATMULS and name not in _ATTENTION:
+            self._memory_bound(args, kwargs, out)
         if name in _MATMULS:
             self.outputs.append((tuple(self.stack), "mm", out.untyped_storage().nbytes()))
             a = args[1] if name in ("addmm", "baddbmm") else args[0]
@@ -222,6 +235,13 @@ class ActivationProfile:
     classes: dict[str, type] = field(default_factory=dict)
     blocks: tuple[str, ...] = ()
     flops_by_path: list[tuple[tuple[str, ...], int]] = field(default_factory=list)
+    memory_bound: list[tuple[tuple[str, ...], int]] = field(default_factory=list)
+
+    def memory_bound_bytes(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> int:
+        """Per rank, bytes the forward's non-matmul ops write (sharded like the saved tensors of the same
+        module: inside TP regions, and between them under SP, each rank computes its shard)."""
+        opts = opts or ActivationOptions()
+        return int(sum(b / tp if self._sharded(p, plan, opts, tp) else b for p, b in self.memory_bound))
 
     def recompute_fraction(self, opts: ActivationOptions | None = None) -> float:
         """Share of the forward FLOPs that checkpointing runs again in backward."""
@@ -349,11 +369,12 @@ class ActivationProfile:
         return self.breakdown(plan, tp, opts)["saved"]
 
     def loss_gradient_bytes(self, tp: int, opts: ActivationOptions | None = None) -> int:
-        """Start of backward: the fp32 gradient of the float logits and its cast to the compute dtype, at full
-        vocabulary (sharded over TP only under loss parallel)."""
+        """Start of backward, at full vocabulary (sharded over TP only under loss parallel): log-softmax's
+        backward holds the gradient of its output (dense fp32, from the NLL loss) and writes the gradient of
+        its input (fp32) beside it; the cast back to the compute dtype that follows holds less (4 + 2 bytes)."""
         opts = opts or ActivationOptions()
         shards = tp if opts.loss_parallel else 1
-        return self.logits_numel * (4 + self.compute_size) // shards
+        return self.logits_numel * max(4 + 4, 4 + self.compute_size) // shards
 
     def tp_comm(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> dict[str, int]:
         """Bytes each rank sends into TP collectives per step (forward + backward), by collective kind.
@@ -579,6 +600,7 @@ def profile_activations(
         classes={n: type(m) for n, m in meta.named_modules()},
         blocks=tuple(names[id(b)] for b in find_blocks(meta)),
         flops_by_path=oplog.flops,
+        memory_bound=oplog.memory_bound,
     )
 
 

@@ -3,7 +3,9 @@ and a device's peak, communication from link bandwidths and collective volumes, 
 
 The model, per rank:
 
-* **Compute**: ``hardware_flops / (peak(compute dtype) * matmul_efficiency)``. FLOPs come from
+* **Compute**: ``hardware_flops / (peak(compute dtype) * matmul_efficiency)``, plus the eager non-matmul
+  ops (norms, activations, rotary, casts, the loss), which are bound by memory bandwidth: three times the bytes
+  they write (one write, about two reads) over ``memory_bandwidth * MEMORY_EFFICIENCY``. FLOPs come from
   ``torch.utils.flop_counter.FlopCounterMode`` on the meta forward (backward = 2x forward, plus what activation
   checkpointing recomputes; causal attention counts half, as a flash kernel computes it).
   ``matmul_efficiency`` is one assumed number per device (the share of peak that training kernels reach in
@@ -72,6 +74,9 @@ DEVICES: dict[str, Device] = {
 }
 
 
+MEMORY_EFFICIENCY = 0.7  # share of HBM bandwidth eager elementwise kernels reach (assumed)
+
+
 def device_named(name: str | Device) -> Device:
     """``"h100"``, ``"a100"``, ``"cpu"`` (or a :class:`Device`) -> the device; a ``ValueError`` otherwise."""
     if isinstance(name, Device):
@@ -119,10 +124,12 @@ def step_time(est: Estimate, device: Device | str, devices_per_node: int, precis
     device = device_named(device)
     dtype = "fp32" if precision.startswith("32") else ("fp16" if precision.startswith("16") else "bf16")
     rate = device.peak(dtype) * device.matmul_efficiency
-    compute = est.hardware_flops / rate
     blocks = max(1, est.details.get("blocks") or 1)
-    # forward is 1 / (3 + r) of the hardware FLOPs, backward (with the recomputed share r of forward) the rest
+    # forward is 1 / (3 + r) of the work, backward (with the recomputed share r of forward) the rest
     r = est.details.get("recompute_fraction", 0.0)
+    # eager non-matmul ops: each output written once and about two inputs read, backward twice the forward
+    memory_bound = 3 * est.memory_bound_bytes * (3 + r) / (device.memory_bandwidth * MEMORY_EFFICIENCY)
+    compute = est.hardware_flops / rate + memory_bound
     fwd, bwd = compute / (3 + r), compute * (2 + r) / (3 + r)
 
     fsdp_fwd = fsdp_bwd = serial = 0.0
@@ -169,5 +176,6 @@ def step_time(est: Estimate, device: Device | str, devices_per_node: int, precis
             "exposed_fsdp": exposed_fwd + exposed_bwd + head + tail,
             "tp_and_replica_comm": serial,
             "recompute_fraction": r,
+            "memory_bound_ops": memory_bound,
         },
     )

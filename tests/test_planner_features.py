@@ -196,3 +196,17 @@ def test_strategy_auto_passes_its_checkpointing_and_hybrid_sharding_to_the_plann
     assert table is not None and "micro-batch 3 x seq 10" in table  # the train batch, through training_step
     assert "ac={LlamaBlock}" in table and "hsdp 2x2" in table
     assert "hybrid sharding (HSDP) does not combine with TP" in table  # TP 2 is never offered
+
+
+def test_auto_offloads_only_when_nothing_else_fits():
+    model = _meta(Llama)
+    kw = dict(batch=B, seq_len=T)
+    off = estimate(model, (2, 1), cpu_offload=True, activation_checkpointing="full", **kw)
+    on = estimate(model, (2, 1), activation_checkpointing="full", **kw)
+    assert off.device_total < on.device_total and off.cpu_bytes == on.model_states
+    budget = (off.device_total + on.device_total) // 2
+    result = plan(model, 2, 1, budget, safety_margin=0.0, cpu_offload="auto", activation_checkpointing="auto",
+                  reshard_after_forward="auto", **kw)  # fmt: skip
+    assert result.choice.estimate.cpu_offload and result.choice.fits
+    assert len([o for o in result.options if o.estimate is not None]) == 8  # 1 mesh x 2 AC x 2 reshard x 2 offload
+    assert step_time(off, "h100", 8).step > step_time(on, "h100", 8).step  # host copies and a host optimizer step

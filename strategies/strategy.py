@@ -280,7 +280,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 "shard_fsdp_tp: tensor_parallel_size='auto' needs the layers before configure_model; using 1"
             )
             return 1
-        from lightning_shard.planner import choose_tensor_parallel_size
+        from lightning_shard.planner import NoFitError, choose_tensor_parallel_size
 
         if self.root_device.type == "cuda":
             memory = torch.cuda.get_device_properties(self.root_device).total_memory
@@ -303,7 +303,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 sequence_parallel=bool(getattr(self, "sequence_parallel", False)),
                 loss_parallel=bool(getattr(self, "loss_parallel", False)), hybrid_shard=hybrid, device=device,
             )  # fmt: skip
-        except ValueError:
+        except NoFitError:
             raise  # nothing fits: the planner's message says by how much and which knob helps most
         except Exception as e:  # the planner could not run this model's step on meta
             rank_zero_info(f"shard_fsdp_tp: the planner could not estimate this model ({e!r}); using TP 1")

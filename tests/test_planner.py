@@ -8,7 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.planner import choose_tensor_parallel_size, estimate, find_blocks, format_bytes, parse_bytes, plan
+from lightning_shard.planner import (
+    NoFitError,
+    choose_tensor_parallel_size,
+    estimate,
+    find_blocks,
+    format_bytes,
+    parse_bytes,
+    plan,
+)
 from lightning_shard.planner.measure import measure_step
 from tests.harness import distributed
 from tests.tp_models import GPT2, Bert, Llama
@@ -117,7 +125,7 @@ def test_head_divisibility_filters_meshes():
 
 def test_no_fit_error_says_by_how_much_and_the_most_helpful_knob():
     model = _meta(Llama)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(NoFitError) as info:
         plan(model, 2, 2, "64KB", batch=4, seq_len=16, safety_margin=0.0)
     msg = str(info.value)
     smallest = min(

@@ -82,9 +82,10 @@ def test_hsdp_shards_within_the_replica_group_and_auto_keeps_tp_1():
     assert all("hybrid sharding" in o.reason for o in result.options if o.mesh[1] > 1)
 
 
-def test_hugging_face_causal_lm_is_planned():
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_causal_lm_is_planned(family):
     hf = pytest.importorskip("tests.hf_models")
-    model = hf.build("llama").to("meta")
+    model = hf.build(family).to("meta")
     result = plan(model, 2, 2, "1GB", batch=2, seq_len=8)
     est = result.choice.estimate
     assert est.activations > 0 and est.model_flops > 0

@@ -16,6 +16,7 @@ Example::
 from lightning_shard.planner.estimate import Collective, Estimate, estimate, find_blocks, format_bytes
 from lightning_shard.planner.plan import (
     MeshOption,
+    NoFitError,
     PlanResult,
     choose_tensor_parallel_size,
     hsdp_replicas,
@@ -40,6 +41,7 @@ __all__ = [
     "Collective",
     "PlanResult",
     "MeshOption",
+    "NoFitError",
     "ActivationOptions",
     "ActivationProfile",
     "SavedTensorCounter",

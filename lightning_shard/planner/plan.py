@@ -39,9 +39,24 @@ from lightning_shard.planner.estimate import (
 )
 from lightning_shard.planner.timing import Device, StepTime, device_named, step_time
 
-__all__ = ["plan", "PlanResult", "MeshOption", "choose_tensor_parallel_size", "parse_bytes", "hsdp_replicas"]
+__all__ = [
+    "plan",
+    "PlanResult",
+    "MeshOption",
+    "NoFitError",
+    "choose_tensor_parallel_size",
+    "parse_bytes",
+    "hsdp_replicas",
+]
 
 PIPELINE_NOTE = "not modelled: a pipeline-parallel axis (the engine has none)"
+
+
+class NoFitError(ValueError):
+    """No configuration fits the memory budget; the message says by how much and which knob helps most.
+
+    A ``ValueError`` (bad input for this budget), distinct from errors of the model's own forward on meta.
+    """
 
 
 @dataclass(frozen=True)
@@ -167,8 +182,8 @@ def plan(
     and ``cpu_offload`` accept ``"auto"`` (search: no checkpointing or every block checkpointed; True/False;
     False/True). ``hybrid_shard``: HSDP as the strategy builds it (see :func:`hsdp_replicas`). ``device``:
     ``"h100"``, ``"a100"``, ``"cpu"`` or a :class:`~lightning_shard.planner.timing.Device`, for the time model.
-    Raises ``ValueError`` when nothing fits (unless ``raise_if_none_fits=False``), saying by how much and
-    which knob helps most.
+    Raises :class:`NoFitError` (a ``ValueError``) when nothing fits (unless ``raise_if_none_fits=False``),
+    saying by how much and which knob helps most.
 
     Example::
 
@@ -212,7 +227,7 @@ def plan(
     table = _table(options, choice, memory, budget, precision, batch, seq_len, dev)
     result = PlanResult(options, choice, budget, table)
     if choice is None and raise_if_none_fits:
-        raise ValueError(_no_fit_message(result, model, world_size, devices_per_node, memory, safety_margin, common,
+        raise NoFitError(_no_fit_message(result, model, world_size, devices_per_node, memory, safety_margin, common,
                                          hybrid_shard, dev))  # fmt: skip
     return result
 
@@ -322,7 +337,7 @@ def choose_tensor_parallel_size(
 ) -> tuple[int, str]:
     """The TP size for ``tensor_parallel_size="auto"`` and the table explaining it (for the strategy's log).
 
-    Raises the planner's ``ValueError`` when nothing fits. Example::
+    Raises :class:`NoFitError` when nothing fits. Example::
 
         tp, table = choose_tensor_parallel_size(model, 8, 8, torch.cuda.get_device_properties(0).total_memory,
                                                 "bf16-mixed", batch=4, seq_len=2048)

@@ -12,15 +12,17 @@ Where each number comes from (the engine's real layout, not a rule of thumb):
 * **Unsharded working set**: a group's unsharded flat buffer (compute dtype) is alive between unshard and
   reshard. The root stays unsharded from forward to the end of backward; in backward the current block and
   the prefetched next one are unsharded together, plus the current block's unsharded gradients (compute
-  dtype) and one group's reduce-scatter staging buffer: the engine finishes the previous group's reduce-scatter
-  (freeing its staging) before the next group stages its gradients (``FSDPState.post_backward``).
+  dtype) and at most two groups' reduce-scatter staging buffers: the engine finishes the previous group's
+  reduce-scatter (freeing its staging) before the next block stages its gradients (``FSDPState.post_backward``);
+  only the root, staged in the final callback, overlaps the first block's.
 * **Buffers**: registered buffers (causal masks, rotary tables) are neither sharded nor offloaded.
 * **Activations**: tensors saved for backward, measured by running the model's forward on the meta device
   (a deep copy cast to the compute dtype: nothing is allocated) at the real micro-batch and sequence length,
   with ``saved_tensors_hooks`` counting distinct storages (parameters and buffers excluded). Each saved
   tensor is attributed to the module running when it was saved, so TP's effect is applied per region:
   inside attention/MLP modules whose projections TP shards, the bytes divide by ``tp``; norms, residuals,
-  embeddings and logits stay replicated (no sequence parallelism).
+  embeddings and logits stay replicated unless sequence parallelism (norms, residuals) or loss parallelism (the
+  loss) shards them. Activation checkpointing, the backward transient and FLOPs: see ``planner.profile``.
 * **Communication** (bytes each rank *sends into* collectives, the convention of
   ``lightning_shard.comm.count_collectives``): FSDP all-gathers of ``shard_numel`` elements (compute dtype)
   per group, twice for resharded blocks and once for the root; one reduce-scatter of ``dp * shard_numel``

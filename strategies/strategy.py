@@ -270,8 +270,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
     def _plan_tensor_parallel_size(self, world: int) -> int:
-        """``tensor_parallel_size="auto"``: the memory planner's choice (the smallest TP that fits), logged with
-        its table. Needs the model's layers at this point (built in ``__init__``); a model built later in
+        """``tensor_parallel_size="auto"``: the planner's choice (the fastest TP size that fits, with this
+        strategy's activation checkpointing, resharding, offload and hybrid sharding), logged with its table.
+        Needs the model's layers at this point (built in ``__init__``); a model built later in
         ``configure_model`` gets TP 1 with a message saying why."""
         module = self.lightning_module
         if next(module.parameters(), None) is None:
@@ -279,21 +280,32 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 "shard_fsdp_tp: tensor_parallel_size='auto' needs the layers before configure_model; using 1"
             )
             return 1
-        from lightning_shard.planner import choose_tensor_parallel_size
+        from lightning_shard.planner import NoFitError, choose_tensor_parallel_size
 
         if self.root_device.type == "cuda":
             memory = torch.cuda.get_device_properties(self.root_device).total_memory
+            name = torch.cuda.get_device_name(self.root_device).lower()
+            device = "a100" if "a100" in name else "h100"
         else:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.num_processes)
+            device = "cpu"
+        hybrid, _, no_shard = _SHARDING[self.sharding_strategy]
+        if no_shard:  # _build_mesh rejects NO_SHARD with TP: there is nothing to choose
+            rank_zero_info("shard_fsdp_tp: tensor_parallel_size='auto' with NO_SHARD: TP 1 (NO_SHARD excludes TP)")
+            return 1
         try:
+            example_input, step, batch, seq_len = _planner_step(module, self.planner_batch, self.planner_seq_len)
             tp, table = choose_tensor_parallel_size(
                 module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
-                batch=self.planner_batch, seq_len=self.planner_seq_len, cpu_offload=self.cpu_offload,
-                reshard_after_forward=self.reshard_after_forward,
+                batch=batch, seq_len=seq_len, cpu_offload=self.cpu_offload,
+                reshard_after_forward=self.reshard_after_forward, example_input=example_input, step=step,
+                activation_checkpointing=self.activation_checkpointing_policy,
+                sequence_parallel=bool(getattr(self, "sequence_parallel", False)),
+                loss_parallel=bool(getattr(self, "loss_parallel", False)), hybrid_shard=hybrid, device=device,
             )  # fmt: skip
-        except ValueError:
-            raise  # nothing fits: the planner's message lists the smallest requirement and the options
-        except Exception as e:  # the planner could not run this model's forward on meta
+        except NoFitError:
+            raise  # nothing fits: the planner's message says by how much and which knob helps most
+        except Exception as e:  # the planner could not run this model's step on meta
             rank_zero_info(f"shard_fsdp_tp: the planner could not estimate this model ({e!r}); using TP 1")
             return 1
         rank_zero_info(f"shard_fsdp_tp: tensor_parallel_size='auto' chose {tp}:\n{table}")
@@ -513,3 +525,53 @@ def _check_choice(name: str, value, allowed) -> None:
 def _check_size(name: str, value) -> None:
     if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} must be 'auto' or a positive int")
+
+
+def _planner_step(module, batch: int, seq_len: int):
+    """What the planner runs on its meta copy of a LightningModule: ``(example_input, step, batch, seq_len)``.
+
+    ``example_input_array`` when set (``module(*inputs)``, or ``module(**inputs)`` for a dict); otherwise a
+    batch from the train dataloader, run through ``training_step(batch, 0)``; otherwise the planner's default
+    (token ids for the first embedding through ``forward``). The micro-batch and sequence length come from the
+    data when there is data (first tensor: dims 0 and 1), else from ``planner_batch`` / ``planner_seq_len``.
+    """
+
+    def to_meta(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.to("meta")
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(to_meta(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: to_meta(v) for k, v in obj.items()}
+        return obj
+
+    def shape_of(obj) -> tuple[int, int]:
+        flat = [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+        if not flat or flat[0].ndim == 0:
+            return batch, seq_len
+        first = flat[0]
+        return int(first.shape[0]), int(first.shape[1]) if first.ndim > 1 else seq_len
+
+    sample = getattr(module, "example_input_array", None)
+    if sample is not None:
+        inputs = sample if isinstance(sample, tuple) else (sample,)
+        return (lambda b, t, d: to_meta(inputs)), None, *shape_of(inputs)
+    data = _first_train_batch(module)
+    if data is not None:
+        return (lambda b, t, d: (to_meta(data),)), (lambda m, inputs: m.training_step(inputs[0], 0)), *shape_of(data)
+    return None, None, batch, seq_len
+
+
+def _first_train_batch(module):
+    """The first batch of the module's (or its datamodule's) train dataloader, or None without one."""
+    trainer = getattr(module, "_trainer", None)
+    source = getattr(trainer, "datamodule", None) if trainer is not None else None
+    for owner in (source, module):
+        make = getattr(owner, "train_dataloader", None) if owner is not None else None
+        if make is None:
+            continue
+        try:
+            return next(iter(make()))
+        except Exception:  # noqa: BLE001 - no data yet (or not defined): the planner falls back to its default
+            continue
+    return None

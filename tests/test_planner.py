@@ -8,7 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.planner import choose_tensor_parallel_size, estimate, find_blocks, parse_bytes, plan
+from lightning_shard.planner import (
+    NoFitError,
+    choose_tensor_parallel_size,
+    estimate,
+    find_blocks,
+    format_bytes,
+    parse_bytes,
+    plan,
+)
 from lightning_shard.planner.measure import measure_step
 from tests.harness import distributed
 from tests.tp_models import GPT2, Bert, Llama
@@ -42,9 +50,12 @@ def _check(factory, mesh, precision="32-true", batch=4, seq_len=16, optimizer="a
         "comm_total": est.comm_total,
         "comm_reduce_scatter": est.comm["reduce_scatter"],
         "comm_all_reduce": est.comm["all_reduce"],
+        "reduce_scatter_staging": est.reduce_scatter_staging,
+        "buffers": est.buffers,
     }
     if dist.get_rank() == 0:  # TP/FSDP rank 0 holds the largest shards: the planner's per-rank figure
-        for term in (*TERMS, "comm_reduce_scatter", "comm_all_reduce"):
+        assert measured["reduce_scatter_staging"] > 0
+        for term in (*TERMS, "comm_reduce_scatter", "comm_all_reduce", "reduce_scatter_staging", "buffers"):
             m, e = measured[term], predicted[term]
             assert abs(e - m) <= 0.10 * max(m, 1), (factory.__name__, mesh, precision, term, e, m)
 
@@ -63,6 +74,7 @@ def test_estimate_matches_measured_4_ranks():
     _check(Llama, (4, 1), reshard_after_forward=2)  # backward all-gathers send 2-way shards
     _check(Llama, (2, 2))
     _check(Bert, (2, 2), precision="bf16-mixed")
+    _check(Bert, (4, 1), precision="bf16-mixed", optimizer="sgd")  # 2-row token-type embedding on 4 ranks
 
 
 def test_estimate_one_rank_layout_and_padding():
@@ -96,7 +108,7 @@ def test_plan_prefers_smallest_tp_and_tight_budget_forces_tp2():
     assert [r["fits"] for r in tight.rows][:2] == [False, True]
     tp, table = choose_tensor_parallel_size(model, 4, 4, (e41.device_total + e22.device_total) // 2, "32-true",
                                             batch=4, seq_len=16, safety_margin=0.0)  # fmt: skip
-    assert tp == 2 and "2 x 2" in table
+    assert tp == 2 and "2x2" in table
     # TP stays inside a node: with 2 devices per node, TP 4 is not a candidate
     per_node = plan(model, 4, 2, e41.device_total * 2, **kwargs)
     assert "does not fit within a node" in per_node.table
@@ -111,13 +123,26 @@ def test_head_divisibility_filters_meshes():
     assert plan(model, 3, 3, "1GB", batch=2, seq_len=8).options[1].estimate is not None  # TP 3 is fine
 
 
-def test_no_fit_error_names_requirement_and_options():
+def test_no_fit_error_says_by_how_much_and_the_most_helpful_knob():
     model = _meta(Llama)
-    with pytest.raises(ValueError) as info:
-        plan(model, 2, 2, "64KB", batch=4, seq_len=16)
+    with pytest.raises(NoFitError) as info:
+        plan(model, 2, 2, "64KB", batch=4, seq_len=16, safety_margin=0.0)
     msg = str(info.value)
-    for part in ("does not fit on any mesh", "Smallest requirement", "CPU offload", "devices", "micro-batch"):
-        assert part in msg, msg
+    smallest = min(
+        (o for o in plan(model, 2, 2, "1GB", batch=4, seq_len=16).options if o.estimate is not None),
+        key=lambda o: o.estimate.device_total,
+    )
+    over = smallest.estimate.device_total - 64 * 1024
+    assert f"{format_bytes(over)} over the budget" in msg, msg
+    knobs = msg.split("most helpful first:")[1].split("\n  - ")[1:]
+    assert (
+        len(knobs) >= 3
+        and any("activation checkpointing" in k for k in knobs)
+        and any("CPU offload" in k for k in knobs)
+    )
+    # sorted by what each knob leaves per device, smallest first
+    sizes = [parse_bytes(k.split(": ")[1].split(" per device")[0].replace(" ", "")) for k in knobs[:4]]
+    assert sizes == sorted(sizes), knobs
 
 
 def test_bad_arguments():
@@ -136,7 +161,7 @@ def test_cli_on_a_factory():
            "--memory", "1GB", "--precision", "32-true", "--batch", "4", "--seq-len", "16"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "tensor_parallel_size=1" in out.stdout and "4 x 1" in out.stdout
+    assert "tensor_parallel_size=1" in out.stdout and "4x1" in out.stdout and "tokens/s per device" in out.stdout
     out = subprocess.run([*cmd[:7], "10KB", *cmd[8:]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "does not fit" in out.stderr
 

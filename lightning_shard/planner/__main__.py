@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--safety-margin", type=float, default=0.1)
     parser.add_argument("--cpu-offload", action="store_true")
     parser.add_argument("--no-reshard-after-forward", action="store_true")
+    parser.add_argument("--device", default="h100", help="time model: h100, a100 or cpu")
+    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective-op", "auto"])
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--loss-parallel", action="store_true")
+    parser.add_argument("--hybrid-shard", action="store_true", help="HSDP: shard within a node, replicate across")
+    parser.add_argument("--search", action="store_true", help="also search reshard_after_forward and CPU offload")
     parser.add_argument("--json", action="store_true", help="print the table rows as JSON too")
     args = parser.parse_args(argv)
     factory = _load(args.factory)
@@ -60,17 +66,24 @@ def main(argv: list[str] | None = None) -> int:
             batch=args.batch,
             seq_len=args.seq_len,
             safety_margin=args.safety_margin,
-            cpu_offload=args.cpu_offload,
-            reshard_after_forward=not args.no_reshard_after_forward,
+            cpu_offload="auto" if args.search and not args.cpu_offload else args.cpu_offload,
+            reshard_after_forward="auto" if args.search else not args.no_reshard_after_forward,
             optimizer=args.optimizer,
+            activation_checkpointing=None if args.activation_checkpointing == "none" else args.activation_checkpointing,
+            sequence_parallel=args.sequence_parallel,
+            loss_parallel=args.loss_parallel,
+            hybrid_shard=args.hybrid_shard,
+            device=args.device,
         )
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 1
     print(result.table)
     dp, tp = result.choice.mesh
-    print(f"choice: data_parallel_size={dp}, tensor_parallel_size={tp} "
-          f"({format_bytes(result.choice.estimate.device_total)} per device)")  # fmt: skip
+    t = result.choice.time
+    print(f"choice: data_parallel_size={dp}, tensor_parallel_size={tp} ({result.choice.config}; "
+          f"{format_bytes(result.choice.estimate.device_total)} per device, "
+          f"{t.tokens_per_second_per_device:,.0f} tokens/s per device, MFU {t.mfu:.0%})")  # fmt: skip
     print(result.choice.estimate.summary())
     if args.json:
         print(json.dumps(result.rows))

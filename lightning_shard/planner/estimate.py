@@ -12,13 +12,17 @@ Where each number comes from (the engine's real layout, not a rule of thumb):
 * **Unsharded working set**: a group's unsharded flat buffer (compute dtype) is alive between unshard and
   reshard. The root stays unsharded from forward to the end of backward; in backward the current block and
   the prefetched next one are unsharded together, plus the current block's unsharded gradients (compute
-  dtype) and every group's reduce-scatter staging buffer, which the engine keeps until backward ends.
+  dtype) and at most two groups' reduce-scatter staging buffers: the engine finishes the previous group's
+  reduce-scatter (freeing its staging) before the next block stages its gradients (``FSDPState.post_backward``);
+  only the root, staged in the final callback, overlaps the first block's.
+* **Buffers**: registered buffers (causal masks, rotary tables) are neither sharded nor offloaded.
 * **Activations**: tensors saved for backward, measured by running the model's forward on the meta device
   (a deep copy cast to the compute dtype: nothing is allocated) at the real micro-batch and sequence length,
   with ``saved_tensors_hooks`` counting distinct storages (parameters and buffers excluded). Each saved
   tensor is attributed to the module running when it was saved, so TP's effect is applied per region:
   inside attention/MLP modules whose projections TP shards, the bytes divide by ``tp``; norms, residuals,
-  embeddings and logits stay replicated (no sequence parallelism).
+  embeddings and logits stay replicated unless sequence parallelism (norms, residuals) or loss parallelism (the
+  loss) shards them. Activation checkpointing, the backward transient and FLOPs: see ``planner.profile``.
 * **Communication** (bytes each rank *sends into* collectives, the convention of
   ``lightning_shard.comm.count_collectives``): FSDP all-gathers of ``shard_numel`` elements (compute dtype)
   per group, twice for resharded blocks and once for the root; one reduce-scatter of ``dp * shard_numel``
@@ -36,19 +40,29 @@ Example::
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_shard.fsdp.units import find_repeated_blocks
+from lightning_shard.planner.profile import (
+    ActivationOptions,
+    ActivationProfile,
+    SavedTensorCounter,
+    default_input,
+    default_loss,
+    profile_activations,
+)
 from numba_kernels import GroupLayout
+
+# the names measure.py and earlier callers import from here
+_default_input, _default_loss = default_input, default_loss
 
 __all__ = [
     "Estimate",
+    "ActivationOptions",
     "ActivationProfile",
     "estimate",
     "find_blocks",
@@ -128,238 +142,29 @@ def _tp_local_shapes(model: nn.Module, plan: dict, tp: int) -> dict[int, torch.S
     return shapes
 
 
-def _is_sharded_region(plan: dict) -> tuple[set[str], set[str], set[str]]:
-    """(column-parallel fqns, row-parallel fqns, region fqns whose inner activations TP shards)."""
-    col = {f for f, s in plan.items() if _style_kind(s) == "ColwiseParallel"}
-    row = {f for f, s in plan.items() if _style_kind(s) == "RowwiseParallel"}
-    regions = {f for f, s in plan.items() if _style_kind(s) == "DivideAttributes"}
-    for f in col:
-        out = getattr(plan[f], "output_layouts", (None,))[0]
-        if out is not None and out.is_shard():
-            regions.add(f.rpartition(".")[0])
-    return col, row, regions
-
-
-# ---------------------------------------------------------------------------------------------- activations
-class SavedTensorCounter:
-    """Context manager counting the bytes of distinct storages autograd saves for backward.
-
-    ``exclude`` holds storage keys (``untyped_storage()._cdata``) not to count (parameters, buffers). Each
-    storage is attributed to the innermost module running when it is first saved (``records``:
-    ``(module fqn path, bytes)``). DTensors count their local tensor. Works on meta and real tensors alike,
-    so the planner's meta run and a measured run count the same thing.
-
-    Example::
-
-        with SavedTensorCounter(model) as counter:
-            loss = model(x).sum()
-        counter.total
-    """
-
-    def __init__(self, model: nn.Module | None = None, exclude: set[int] | None = None) -> None:
-        self.exclude = set(exclude or ())
-        self.model = model
-        if model is not None:
-            self.exclude |= {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-        self.records: list[tuple[tuple[str, ...], int]] = []
-        self._seen: set[int] = set()
-        self._stack: list[str] = []
-        self._handles: list = []
-        self._hooks = None
-
-    @property
-    def total(self) -> int:
-        return sum(b for _, b in self.records)
-
-    def _pack(self, t: torch.Tensor):
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t
-        key = _storage_key(local)
-        if key not in self.exclude and key not in self._seen:
-            self._seen.add(key)
-            self.records.append((tuple(self._stack), local.untyped_storage().nbytes()))
-        return t
-
-    def __enter__(self) -> SavedTensorCounter:
-        if self.model is not None:
-            names = {id(m): n for n, m in self.model.named_modules()}
-
-            def pre(mod, args):
-                self._stack.append(names.get(id(mod), "?"))
-
-            def post(mod, args, out):
-                if self._stack:
-                    self._stack.pop()
-
-            for m in self.model.modules():
-                self._handles.append(m.register_forward_pre_hook(pre))
-                self._handles.append(m.register_forward_hook(post))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
-    return local.untyped_storage()._cdata
-
-
-@dataclass
-class ActivationProfile:
-    """What one meta forward at the real micro-batch saved for backward, by module, plus module I/O shapes.
-
-    ``records``: (module fqn path, bytes) per saved storage. ``io``: fqn -> (input numel, output numel) of
-    every module (for TP communication). ``compute_size``: bytes per element of the compute dtype.
-    """
-
-    records: list[tuple[tuple[str, ...], int]]
-    io: dict[str, tuple[int, int]]
-    compute_size: int
-    batch: int
-    seq_len: int
-    embeddings: frozenset = frozenset()
-
-    @property
-    def total(self) -> int:
-        return sum(b for _, b in self.records)
-
-    def per_rank(self, plan: dict, tp: int) -> int:
-        """Saved bytes per rank when ``plan`` shards the model over ``tp`` ranks (see module docstring)."""
-        if tp == 1 or not plan:
-            return self.total
-        col, row, regions = _is_sharded_region(plan)
-        total = 0.0
-        for path, nbytes in self.records:
-            inner = path[-1] if path else ""
-            if inner in col:
-                sharded = False  # a column-parallel Linear saves its replicated input
-            elif inner in row and inner not in self.embeddings:
-                sharded = True  # a row-parallel Linear saves its sharded input
-            else:
-                sharded = any(p in regions for p in path)
-            total += nbytes / tp if sharded else nbytes
-        return int(total)
-
-    def tp_comm(self, plan: dict, tp: int) -> dict[str, int]:
-        """Bytes each rank sends into TP collectives per step (forward + backward), by collective kind."""
-        reduce = gather = 0
-        if tp == 1 or not plan:
-            return {"all_reduce": 0, "all_gather": 0}
-        for fqn, style in plan.items():
-            kind = _style_kind(style)
-            if fqn not in self.io:
-                continue
-            n_in, n_out = self.io[fqn]
-            if kind == "RowwiseParallel":
-                reduce += n_out  # forward all-reduce of the partial output
-            elif kind == "ColwiseParallel":
-                reduce += n_in  # backward all-reduce of the partial input gradient
-                out = getattr(style, "output_layouts", (None,))[0]
-                if out is not None and out.is_replicate():
-                    gather += -(-n_out // tp)  # forward all-gather of the sharded output
-        return {"all_reduce": reduce * self.compute_size, "all_gather": gather * self.compute_size}
-
-
-def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
-    memo: dict[int, nn.Parameter] = {}
-    for m in model.modules():
-        for name, p in list(m._parameters.items()):
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            m._parameters[name] = memo[id(p)]
-
-
-class _FlashAttentionOnMeta(torch.overrides.TorchFunctionMode):
-    """On meta, ``F.scaled_dot_product_attention`` would fall back to the math path (which saves the
-    attention matrix); real CPU and CUDA runs use a flash kernel that saves q, k, v, the output and the
-    log-sum-exp. Route meta calls to the CPU flash op so the saved bytes are the ones a real run keeps."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            if q.is_meta and mask is None:
-                # GQA: the flash kernel reads the shared key/value heads without expanding them
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q,
-                    k,
-                    v,
-                    kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0),
-                    kwargs.get("is_causal", args[5] if len(args) > 5 else False),
-                    scale=kwargs.get("scale"),
-                )[0]
-        return func(*args, **kwargs)
-
-
-def _default_input(model: nn.Module, batch: int, seq_len: int, device) -> tuple:
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if emb is None:
-        raise ValueError(
-            "planner: cannot guess the model's input (no nn.Embedding); pass example_input=lambda batch, seq_len, "
-            "device: (tensor, ...)"
-        )
-    return (torch.randint(0, emb.num_embeddings, (batch, seq_len), device=device),)
-
-
-def _default_loss(output) -> torch.Tensor:
-    out = output[0] if isinstance(output, (tuple, list)) else output
-    if out.ndim >= 2 and out.is_floating_point():
-        logits = out.reshape(-1, out.shape[-1]).float()
-        target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        return F.cross_entropy(logits, target)
-    return out.float().sum()
-
-
-def profile_activations(
-    model: nn.Module,
-    *,
-    precision: str,
-    batch: int,
-    seq_len: int,
-    example_input: Callable | None = None,
-    loss_fn: Callable | None = None,
-) -> ActivationProfile:
-    """Run forward (and the loss) of a meta copy of ``model`` in the compute dtype; record saved tensors."""
-    _, compute, _ = precision_dtypes(precision)
-    meta = copy.deepcopy(model).to(device="meta")
-    _cast_params(meta, compute)  # as FSDP's mixed precision does: parameters only, buffers keep their dtype
-    inputs = (example_input or (lambda b, t, d: _default_input(meta, b, t, d)))(batch, seq_len, torch.device("meta"))
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    io: dict[str, tuple[int, int]] = {}
-    names = {id(m): n for n, m in meta.named_modules()}
-
-    def record_io(mod, args, out):
-        n_in = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
-        o = out[0] if isinstance(out, (tuple, list)) else out
-        io.setdefault(names[id(mod)], (n_in, o.numel() if isinstance(o, torch.Tensor) else 0))
-
-    handles = [m.register_forward_hook(record_io) for m in meta.modules()]
-    try:
-        with SavedTensorCounter(meta) as counter, _FlashAttentionOnMeta():
-            out = meta(*inputs)
-            (loss_fn or _default_loss)(out)
-    finally:
-        for h in handles:
-            h.remove()
-    embeddings = frozenset(n for n, m in meta.named_modules() if isinstance(m, nn.Embedding))
-    return ActivationProfile(counter.records, io, _size(compute), batch, seq_len, embeddings)
-
-
 # ---------------------------------------------------------------------------------------------- estimate
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step: ``nbytes`` is the full buffer each call moves (the all-gather output,
+    the reduce-scatter input, the all-reduce tensor), ``ranks`` the group size, ``scope`` which mesh dimension
+    (``"fsdp"``, ``"tp"``, ``"replicate"``), ``calls`` how many per step, ``overlapped`` whether the engine
+    runs it beside compute (FSDP prefetch and the asynchronous reduce-scatter) or on the critical path."""
+
+    kind: str
+    nbytes: int
+    ranks: int
+    scope: str
+    calls: int = 1
+    overlapped: bool = True
+
+
 @dataclass
 class Estimate:
     """Per-rank bytes of one training step on ``mesh = (dp, tp)`` (see the module docstring for each term).
 
     ``device_total`` is what must fit on one device; ``cpu_bytes`` is what CPU offload moves to host memory.
-    ``comm`` maps collective kind to bytes each rank sends per step.
+    ``comm`` maps collective kind to bytes each rank sends per step; ``collectives`` lists them for the time
+    model. ``replicas``: HSDP replica count (parameters shard over ``dp // replicas`` ranks).
     """
 
     mesh: tuple[int, int]
@@ -373,9 +178,19 @@ class Estimate:
     activations: int
     backward_transient: int
     comm: dict[str, int]
+    buffers: int = 0
     cpu_offload: bool = False
     groups: int = 0
     details: dict = field(default_factory=dict)
+    replicas: int = 1
+    options: ActivationOptions = field(default_factory=ActivationOptions)
+    reshard_after_forward: bool | int = True
+    collectives: list[Collective] = field(default_factory=list)
+    tokens: int = 0  # tokens one rank's step processes (its TP group's micro-batch)
+    model_flops: int = 0  # this rank's share of forward + backward FLOPs, without recomputation
+    hardware_flops: int = 0  # what the rank computes: causal attention halved, plus recomputation
+    transient_parts: dict = field(default_factory=dict)
+    memory_bound_bytes: int = 0  # bytes the forward's non-matmul ops write on this rank (time model)
 
     @property
     def model_states(self) -> int:
@@ -394,11 +209,32 @@ class Estimate:
             + self.reduce_scatter_staging
             + self.activations
             + self.backward_transient
+            + self.buffers
         )
 
     @property
     def comm_total(self) -> int:
         return sum(self.comm.values())
+
+    @property
+    def config(self) -> str:
+        """``dp x tp``, HSDP replicas, checkpointing, SP/LP, reshard and offload, in one short label."""
+        o = self.options
+        parts = [f"{self.mesh[0]}x{self.mesh[1]}"]
+        if self.replicas > 1:
+            parts.append(f"hsdp {self.replicas}x{self.mesh[0] // self.replicas}")
+        parts.append(f"ac={o.label}")
+        if o.sequence_parallel:
+            parts.append("sp")
+        if o.loss_parallel:
+            parts.append("lp")
+        if self.reshard_after_forward is False:
+            parts.append("no-reshard")
+        elif not isinstance(self.reshard_after_forward, bool):
+            parts.append(f"reshard={self.reshard_after_forward}")
+        if self.cpu_offload:
+            parts.append("offload")
+        return " ".join(parts)
 
     def summary(self) -> str:
         rows = [
@@ -407,13 +243,17 @@ class Estimate:
             ("optimizer state", self.optimizer),
             (f"unsharded working set ({self.unsharded_groups_alive} groups)", self.unsharded_working_set),
             ("reduce-scatter staging", self.reduce_scatter_staging),
-            ("activations (saved for backward)", self.activations),
+            (f"activations (saved for backward, ac={self.options.label})", self.activations),
             ("backward transient", self.backward_transient),
+            ("buffers (unsharded)", self.buffers),
             ("device total", self.device_total),
         ]
-        lines = [f"mesh dp={self.mesh[0]} x tp={self.mesh[1]}" + (" (CPU offload)" if self.cpu_offload else "")]
-        lines += [f"  {name:<42} {format_bytes(v):>10}" for name, v in rows]
-        lines.append(f"  {'communication per step':<42} {format_bytes(self.comm_total):>10}")
+        lines = [f"mesh {self.config}" + (" (CPU offload)" if self.cpu_offload else "")]
+        lines += [f"  {name:<52} {format_bytes(v):>10}" for name, v in rows]
+        if self.cpu_offload:
+            lines.append(f"  {'host memory (offloaded model states)':<52} {format_bytes(self.cpu_bytes):>10}")
+        lines.append(f"  {'communication per step':<52} {format_bytes(self.comm_total):>10}")
+        lines.append("  not modelled: a pipeline-parallel axis (the engine has none), allocator fragmentation")
         return "\n".join(lines)
 
 
@@ -453,6 +293,11 @@ def estimate(
     loss_fn: Callable | None = None,
     activations: ActivationProfile | None = None,
     tp_plan: dict | None = None,
+    activation_checkpointing: str | set | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    replicas: int = 1,
+    step: Callable | None = None,
 ) -> Estimate:
     """Per-rank bytes of one training step of ``model`` (on the meta device) on a ``(dp, tp)`` mesh.
 
@@ -462,50 +307,65 @@ def estimate(
     the step when the defaults (token ids for the first embedding; cross-entropy on the logits) do not fit.
     ``activations`` reuses a :func:`profile_activations` result across meshes. ``reshard_after_forward`` as in
     ``fully_shard``; an int ``k`` counts the ``k``-way shards held from forward to backward and gathered then.
+    ``activation_checkpointing``: ``None``, ``"full"``, ``"selective-op"`` or the strategy's policy (a set of
+    module classes), see :class:`ActivationOptions`. ``replicas``: HSDP replica groups (``HYBRID_SHARD``):
+    model states shard over ``dp // replicas`` ranks and gradients are all-reduced across replicas.
 
     Example::
 
-        est = estimate(model, (8, 1), precision="bf16-mixed", batch=4, seq_len=2048)
+        est = estimate(model, (8, 1), precision="bf16-mixed", batch=4, seq_len=2048,
+                       activation_checkpointing="full")
         est.device_total, est.comm
     """
     dp, tp = (int(mesh_shape[0]), int(mesh_shape[1])) if len(mesh_shape) == 2 else (int(mesh_shape[0]), 1)
     if dp < 1 or tp < 1:
         raise ValueError(f"planner: mesh_shape={tuple(mesh_shape)} must be positive (dp, tp)")
+    if replicas < 1 or dp % replicas:
+        raise ValueError(f"planner: replicas={replicas} must be >= 1 and divide data-parallel size {dp}")
     n_states = _OPTIMIZERS.get(optimizer.lower())
     if n_states is None:
         raise ValueError(f"planner: optimizer={optimizer!r} is not one of {sorted(_OPTIMIZERS)}")
+    opts = ActivationOptions(activation_checkpointing, sequence_parallel, loss_parallel)
+    shard = dp // replicas  # ranks one parameter is sharded over (HSDP: within a replica group)
     master, compute, reduce = precision_dtypes(precision)
     m_size, c_size, r_size = _size(master), _size(compute), _size(reduce)
     plan = tp_plan if tp_plan is not None else tp_plan_for(model, tp)
     local = _tp_local_shapes(model, plan, tp)
     blocks = find_blocks(model)
     groups = _groups(model, blocks)
+    layouts = [
+        GroupLayout([s if len(s) else torch.Size([1]) for s in (local.get(id(p), p.shape) for p in g)], shard)
+        if g
+        else None
+        for g in groups
+    ]
 
     params = grads = optim = 0
-    staging = 0
+    staging_of: list[int] = []  # per group, 0 when it has no trainable parameters
     unsharded: list[int] = []
-    for params_of_group in groups:
-        if not params_of_group:
+    for params_of_group, layout in zip(groups, layouts):
+        if layout is None:
             unsharded.append(0)
+            staging_of.append(0)
             continue
-        shapes = [local.get(id(p), p.shape) for p in params_of_group]
-        shapes = [s if len(s) else torch.Size([1]) for s in shapes]
-        layout = GroupLayout(shapes, dp)
         params += layout.shard_numel * m_size
         trainable = [i for i, p in enumerate(params_of_group) if p.requires_grad]
         if trainable:
             grads += layout.shard_numel * m_size
-            staging += (dp + 1) * layout.shard_numel * r_size
+            staging_of.append(_staging_bytes(layout, r_size, direct=reduce == master and not cpu_offload))
             local_numel = sum(layout.local_rows(i, 0) * layout.inner_numels[i] for i in trainable)
             optim += n_states * local_numel * m_size
             if optimizer.lower().startswith("adam"):
                 optim += 4 * len(trainable)  # fp32 step counter per parameter
+        else:
+            staging_of.append(0)
         unsharded.append(layout.unsharded_numel * c_size)
 
+    staging = _staging_alive(staging_of)
     root_unsharded = unsharded[-1]
     block_unsharded = unsharded[:-1]
     largest_block = max(block_unsharded, default=0)
-    post_forward_size = _post_forward_size(reshard_after_forward, dp)
+    post_forward_size = _post_forward_size(reshard_after_forward, shard)
     if reshard_after_forward:
         alive_blocks = min(2, len(block_unsharded))  # the current block and the prefetched next one
         blocks_bytes = largest_block * alive_blocks
@@ -516,35 +376,36 @@ def estimate(
         blocks_bytes = sum(block_unsharded)
     # Backward also holds the current block's unsharded gradients and the root's (compute dtype).
     working = root_unsharded + blocks_bytes + largest_block + root_unsharded
+    if cpu_offload:  # each all-gather first copies the shard to the device (current + prefetched group)
+        working += 2 * max((lay.shard_numel for lay in layouts if lay is not None), default=0) * m_size
 
     profile = activations or profile_activations(
-        model, precision=precision, batch=batch, seq_len=seq_len, example_input=example_input, loss_fn=loss_fn
-    )
-    acts = profile.per_rank(plan, tp)
-    # Gradients of the activations of the block running backward (roughly its own saved bytes).
-    per_block = acts / max(1, len(blocks)) if blocks else 0
+        model, precision=precision, batch=batch, seq_len=seq_len, example_input=example_input, loss_fn=loss_fn,
+        step=step,
+    )  # fmt: skip
+    parts = profile.breakdown(plan, tp, opts)
+    # Backward transient: at its start the full-vocabulary loss gradient; later, while a block runs backward,
+    # its activation gradients (about its own saved bytes) plus, under checkpointing, its recomputed forward.
+    transient = {
+        "loss_gradient": profile.loss_gradient_bytes(tp, opts),
+        "block_backward": parts["block"] + parts["recompute"],
+    }
 
-    comm: dict[str, int] = {}
-    ag = rs = 0
-    for i, params_of_group in enumerate(groups):
-        if not params_of_group:
+    collectives = _collectives(groups, layouts, shard, replicas, tp, c_size, r_size, reshard_after_forward,
+                               post_forward_size, profile, plan, opts)  # fmt: skip
+    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for c in collectives:
+        if c.scope == "tp":
             continue
-        shapes = [local.get(id(p), p.shape) for p in params_of_group]
-        layout = GroupLayout([s if len(s) else torch.Size([1]) for s in shapes], dp)
-        is_root = i == len(groups) - 1
-        if is_root or not reshard_after_forward:
-            ag += layout.shard_numel * c_size
-        elif post_forward_size:  # forward over all dp ranks, backward over k of them (k-way shard sent)
-            ag += (layout.shard_numel + GroupLayout(layout.shapes, post_forward_size).shard_numel) * c_size
-        else:
-            ag += 2 * layout.shard_numel * c_size
-        if any(p.requires_grad for p in params_of_group):
-            rs += dp * layout.shard_numel * r_size
-    tp_comm = profile.tp_comm(plan, tp)
-    comm["all_gather"] = ag + tp_comm["all_gather"]
-    comm["reduce_scatter"] = rs
-    comm["all_reduce"] = tp_comm["all_reduce"]
+        per_call = c.nbytes // c.ranks if c.kind == "all_gather" else c.nbytes  # count_collectives convention
+        comm[c.kind] += per_call * c.calls
+    tp_comm = profile.tp_comm(plan, tp, opts)
+    comm["all_gather"] += tp_comm["all_gather"]
+    comm["all_reduce"] += tp_comm["all_reduce"]
 
+    model_flops = 3 * profile.flops // tp  # backward = 2x forward
+    recompute = profile.recompute_fraction(opts)
+    hardware = (3 + recompute) * profile.hardware_flops / tp
     return Estimate(
         mesh=(dp, tp),
         params=params,
@@ -554,13 +415,104 @@ def estimate(
         unsharded_groups_alive=1 + alive_blocks,
         unsharded_working_set=working,
         reduce_scatter_staging=staging,
-        activations=acts,
-        backward_transient=int(per_block),
+        activations=parts["saved"],
+        backward_transient=max(transient.values()),
         comm=comm,
+        buffers=buffer_bytes(model, precision),
         cpu_offload=cpu_offload,
         groups=len([g for g in groups if g]),
-        details={"blocks": len(blocks), "block_class": type(blocks[0]).__name__ if blocks else None},
+        details={
+            "blocks": len(blocks),
+            "block_class": type(blocks[0]).__name__ if blocks else None,
+            "recompute_fraction": recompute,
+        },
+        replicas=replicas,
+        options=opts,
+        reshard_after_forward=reshard_after_forward,
+        collectives=collectives,
+        tokens=batch * seq_len,
+        model_flops=int(model_flops),
+        hardware_flops=int(hardware),
+        transient_parts=transient,
+        memory_bound_bytes=profile.memory_bound_bytes(plan, tp, opts),
     )
+
+
+def _collectives(groups, layouts, shard, replicas, tp, c_size, r_size, reshard, post_forward_size, profile, plan,
+                 opts) -> list[Collective]:  # fmt: skip
+    """The step's collectives: FSDP all-gathers and reduce-scatters per group, HSDP's all-reduce across
+    replicas, TP's all-reduces and all-gathers (on the critical path: the engine runs them synchronously)."""
+    out: list[Collective] = []
+    last = len(groups) - 1
+    for i, (g, layout) in enumerate(zip(groups, layouts)):
+        if layout is None:
+            continue
+        gathered = layout.shard_numel * shard * c_size
+        if i == last or not reshard:
+            out.append(Collective("all_gather", gathered, shard, "fsdp", 1, overlapped=i != last))
+        elif post_forward_size:
+            out.append(Collective("all_gather", gathered, shard, "fsdp", 1))
+            k_layout = GroupLayout(layout.shapes, post_forward_size)
+            out.append(Collective("all_gather", k_layout.shard_numel * post_forward_size * c_size,
+                                  post_forward_size, "fsdp", 1))  # fmt: skip
+        else:
+            out.append(Collective("all_gather", gathered, shard, "fsdp", 2))
+        if any(p.requires_grad for p in g):
+            out.append(Collective("reduce_scatter", shard * layout.shard_numel * r_size, shard, "fsdp", 1))
+            if replicas > 1:
+                out.append(Collective("all_reduce", layout.shard_numel * r_size, replicas, "replicate", 1))
+    if tp > 1:
+        recompute = 1 if opts.checkpointing in ("full", "selective-op") else 0  # recomputed forward all-reduces
+        for fqn, style in plan.items():
+            if fqn not in profile.io:
+                continue
+            n_in, n_out = profile.io[fqn]
+            kind = type(style).__name__
+            in_block = any(fqn.startswith(b + ".") for b in profile.blocks)
+            if kind == "RowwiseParallel":
+                calls = 1 + (recompute if in_block else 0)
+                out.append(Collective("all_reduce", n_out * profile.compute_size, tp, "tp", calls, False))
+            elif kind == "ColwiseParallel":
+                out.append(Collective("all_reduce", n_in * profile.compute_size, tp, "tp", 1, False))
+                layouts_out = getattr(style, "output_layouts", (None,))[0]
+                if layouts_out is not None and layouts_out.is_replicate() and not opts.loss_parallel:
+                    out.append(Collective("all_gather", n_out * profile.compute_size, tp, "tp", 1, False))
+    return out
+
+
+def _staging_bytes(layout: GroupLayout, reduce_size: int, *, direct: bool) -> int:
+    """One group's reduce-scatter staging: the ``(dp, shard_numel)`` input in the reduce dtype, plus a separate
+    shard-sized output unless the reduce-scatter writes straight into the gradient buffer (no cast, no offload;
+    ``FSDPParamGroup._direct_reduce_output``), where the output is the sharded gradient itself."""
+    extra = 0 if direct else layout.shard_numel * reduce_size
+    return layout.world_size * layout.shard_numel * reduce_size + extra
+
+
+def _staging_alive(staging_of: list[int]) -> int:
+    """Most staging bytes alive at once, given each group's (blocks in forward order, then the root).
+
+    ``FSDPState.post_backward`` finishes the previous group's reduce-scatter before a block stages its own,
+    so during backward one block's staging is alive at a time. The root's inputs do not require grad, so its
+    reduce-scatter starts in the final callback, which has already forgotten the last reducing group: the
+    staging of the first block (the last one reduced) is still alive then. At most two at once.
+    """
+    *blocks, root = staging_of
+    alone = max(staging_of, default=0)
+    return max(alone, (blocks[0] if blocks else 0) + root)
+
+
+def buffer_bytes(model: nn.Module, precision: str) -> int:
+    """Bytes of the model's registered buffers (e.g. causal masks, rotary tables) on every rank: FSDP and TP
+    leave buffers unsharded. ``*-true`` precisions cast floating buffers with the model; mixed ones keep them."""
+    master, _, _ = precision_dtypes(precision)
+    total, seen = 0, set()
+    for b in model.buffers():
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        dtype = master if b.is_floating_point() and precision.endswith("-true") else b.dtype
+        total += b.numel() * _size(dtype)
+    return total
 
 
 def heads_of(model: nn.Module) -> set[int]:

@@ -9,6 +9,9 @@ then ``fully_shard`` on every block and the root), runs one training step and co
   parameters' sharded and unsharded flat buffers and buffers excluded), the same counter the planner runs
   on the meta device;
 * communication: ``lightning_shard.comm.count_collectives()`` over forward + backward;
+* reduce-scatter staging: the most bytes of staging buffers (and separate reduce-scatter outputs) alive at
+  once, tracked by weak references to what ``collectives.start_reduce_scatter`` returns;
+* buffers: ``nbytes`` of the model's registered buffers on this rank;
 * on CUDA also ``torch.cuda.max_memory_allocated`` over the step.
 
 Must be called on every rank of an initialised process group. Example::
@@ -18,6 +21,8 @@ Must be called on every rank of an initialised process group. Example::
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
-from lightning_shard.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from lightning_shard.fsdp import FSDPModule, MixedPrecisionPolicy, collectives, fully_shard
 from lightning_shard.mesh import init_device_mesh
 from lightning_shard.planner.estimate import (
     SavedTensorCounter,
@@ -42,6 +47,40 @@ __all__ = ["measure_step"]
 def _storage_bytes(t: torch.Tensor) -> int:
     local = t._local_tensor if hasattr(t, "_local_tensor") else t
     return local.untyped_storage().nbytes()
+
+
+@contextlib.contextmanager
+def track_reduce_scatter_staging():
+    """Yields a dict whose ``"peak"`` becomes the most bytes of reduce-scatter staging alive at once.
+
+    Each ``start_reduce_scatter`` allocates a staging buffer (its views, e.g. a reduced chunk left in place,
+    keep it alive) and maybe a separate output. Both are held weakly; at each new start the bytes of those
+    still alive are summed, so a buffer the engine frees early is not counted.
+    """
+    live: list[tuple[weakref.ref, int]] = []
+    result = {"peak": 0, "max_alive_groups": 0}
+    original = collectives.start_reduce_scatter
+
+    def tracked(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        staged = handle.input
+        for t in {id(staged): staged, id(handle.output): handle.output}.values():
+            base = t if t._base is None else t._base
+            if any(ref() is base for ref, _ in live):
+                continue
+            is_output_buffer = t is handle.output and kwargs.get("output") is t  # the gradient buffer itself
+            if not is_output_buffer:
+                live.append((weakref.ref(base), base.untyped_storage().nbytes()))
+        live[:] = [(r, n) for r, n in live if r() is not None]
+        result["peak"] = max(result["peak"], sum(n for _, n in live))
+        result["max_alive_groups"] = max(result["max_alive_groups"], sum(1 for r, _ in live if r() is not None))
+        return handle
+
+    collectives.start_reduce_scatter = tracked
+    try:
+        yield result
+    finally:
+        collectives.start_reduce_scatter = original
 
 
 def measure_step(
@@ -102,7 +141,7 @@ def measure_step(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if device == "cuda" else 0
-    with comm.count_collectives() as counts:
+    with comm.count_collectives() as counts, track_reduce_scatter_staging() as staging:
         with SavedTensorCounter(model, exclude) as saved:
             loss = (loss_fn or _default_loss)(model(*inputs))
         loss.backward()
@@ -120,6 +159,8 @@ def measure_step(
         "comm_reduce_scatter": counts.bytes["reduce_scatter"],
         "comm_all_reduce": counts.bytes["all_reduce"],
         "comm_total": sum(counts.bytes.values()),
+        "reduce_scatter_staging": staging["peak"],
+        "buffers": sum(b.untyped_storage().nbytes() for b in {id(b): b for b in model.buffers()}.values()),
     }
     if device == "cuda":
         out["cuda_peak_step"] = torch.cuda.max_memory_allocated() - base

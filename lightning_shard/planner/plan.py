@@ -1,20 +1,26 @@
-"""``plan``: every valid ``(dp, tp)`` mesh for a world size, its estimate, and the choice.
+"""``plan``: every valid configuration for a world size, its memory and time estimates, and the choice.
 
-Valid meshes: ``tp`` divides the world size and the devices of one node (TP traffic stays on the node's
-fast links), every attention head count found on the model divides by ``tp``, and every dimension the
-auto TP plan shards divides by ``tp``. The choice is the smallest ``tp`` whose per-rank device total fits in
-``device_memory_bytes * (1 - safety_margin)``: more TP costs communication in every layer, so it is only
-worth it when memory forces it.
+A configuration is a ``(dp, tp)`` mesh plus activation checkpointing, ``reshard_after_forward`` and CPU
+offload (each fixed by the caller or searched with ``"auto"``). Valid meshes: ``tp`` divides the world size
+and the devices of one node (TP traffic stays on the node's fast links), every attention head count found on
+the model divides by ``tp``, every dimension the auto TP plan shards divides by ``tp``, and with hybrid
+sharding (HSDP) ``tp == 1`` (the strategy rejects HSDP with TP). The choice: among the configurations whose
+per-device total fits in ``device_memory_bytes * (1 - safety_margin)``, the one with the highest predicted
+tokens/s per device (``timing.step_time`` on ``device``); ties go to the smaller TP size.
+
+The planner does not model a pipeline-parallel axis: the engine has none.
 
 Example::
 
-    result = plan(model, 8, 8, 80 * 2**30, precision="bf16-mixed", batch=8, seq_len=2048)
+    result = plan(model, 8, 8, "80GB", precision="bf16-mixed", batch=8, seq_len=2048,
+                  activation_checkpointing="auto", device="h100")
     print(result.table)
-    result.choice.mesh       # e.g. (4, 2)
+    result.choice.mesh       # e.g. (8, 1)
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,42 +31,71 @@ from lightning_shard.planner.estimate import (
     Estimate,
     dims_divisible,
     estimate,
+    find_blocks,
     format_bytes,
     heads_of,
     profile_activations,
     tp_plan_for,
 )
+from lightning_shard.planner.timing import Device, StepTime, device_named, step_time
 
-__all__ = ["plan", "PlanResult", "MeshOption", "choose_tensor_parallel_size", "parse_bytes"]
+__all__ = [
+    "plan",
+    "PlanResult",
+    "MeshOption",
+    "NoFitError",
+    "choose_tensor_parallel_size",
+    "parse_bytes",
+    "hsdp_replicas",
+]
+
+PIPELINE_NOTE = "not modelled: a pipeline-parallel axis (the engine has none)"
+
+
+class NoFitError(ValueError):
+    """No configuration fits the memory budget; the message says by how much and which knob helps most.
+
+    A ``ValueError`` (bad input for this budget), distinct from errors of the model's own forward on meta.
+    """
 
 
 @dataclass(frozen=True)
 class MeshOption:
-    """One candidate mesh: its estimate (``None`` when invalid), whether it fits, and why not when invalid."""
+    """One candidate: its estimate and predicted step time (``None`` when the mesh is invalid), whether it
+    fits, and why not when invalid."""
 
     mesh: tuple[int, int]
     estimate: Estimate | None
     fits: bool
     reason: str = ""
+    time: StepTime | None = None
+
+    @property
+    def config(self) -> str:
+        return self.estimate.config if self.estimate else f"{self.mesh[0]}x{self.mesh[1]}"
 
     def as_dict(self) -> dict:
-        e = self.estimate
+        e, t = self.estimate, self.time
         return {
             "dp": self.mesh[0],
             "tp": self.mesh[1],
+            "config": self.config,
             "valid": e is not None,
             "reason": self.reason,
             "model_states_bytes": e.model_states if e else None,
             "activations_bytes": e.activations if e else None,
             "device_bytes": e.device_total if e else None,
             "comm_bytes_per_step": e.comm_total if e else None,
+            "step_seconds": t.step if t else None,
+            "tokens_per_second_per_device": t.tokens_per_second_per_device if t else None,
+            "mfu": t.mfu if t else None,
             "fits": self.fits,
         }
 
 
 @dataclass(frozen=True)
 class PlanResult:
-    """All candidate meshes, the chosen one, the usable memory per device and the table as a string."""
+    """All candidates, the chosen one, the usable memory per device and the table as a string."""
 
     options: list[MeshOption]
     choice: MeshOption | None
@@ -84,8 +119,19 @@ def parse_bytes(text: str | int | float) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def _mesh_problem(model: nn.Module, world_size: int, devices_per_node: int, tp: int, heads: set[int]):
+def hsdp_replicas(dp: int, devices_per_node: int) -> int:
+    """Replica groups of hybrid sharding, as the strategy builds them: shard within a node, replicate across.
+
+    >>> hsdp_replicas(128, 8), hsdp_replicas(8, 8)
+    (16, 1)
+    """
+    return dp // devices_per_node if dp % devices_per_node == 0 and dp > devices_per_node else 1
+
+
+def _mesh_problem(model, world_size, devices_per_node, tp, heads, hybrid_shard):
     """(plan, reason): the TP plan of a mesh, or the reason the mesh is invalid."""
+    if hybrid_shard and tp > 1:
+        return None, "hybrid sharding (HSDP) does not combine with TP in the strategy"
     if tp > devices_per_node or devices_per_node % tp:
         return None, f"TP {tp} does not fit within a node of {devices_per_node} devices"
     bad_heads = sorted(h for h in heads if h % tp)
@@ -103,6 +149,10 @@ def _mesh_problem(model: nn.Module, world_size: int, devices_per_node: int, tp: 
     return tp_plan, ""
 
 
+def _choices(value, auto: list) -> list:
+    return auto if isinstance(value, str) and value == "auto" else [value]
+
+
 def plan(
     model: nn.Module,
     world_size: int,
@@ -113,132 +163,165 @@ def plan(
     batch: int,
     seq_len: int,
     safety_margin: float = 0.1,
-    cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
+    cpu_offload: bool | str = False,
+    reshard_after_forward: bool | int | str = True,
     optimizer: str = "adamw",
     example_input: Callable | None = None,
     loss_fn: Callable | None = None,
     raise_if_none_fits: bool = True,
+    activation_checkpointing: str | set | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    hybrid_shard: bool = False,
+    device: str | Device = "h100",
+    step: Callable | None = None,
 ) -> PlanResult:
-    """Estimate every valid ``(dp, tp)`` mesh of ``world_size`` devices and choose the smallest TP that fits.
+    """Estimate every valid configuration of ``world_size`` devices and choose the fastest that fits.
 
-    ``batch`` is the micro-batch per data-parallel rank. Raises ``ValueError`` when no mesh fits (unless
-    ``raise_if_none_fits=False``), naming the smallest requirement and the ways out.
+    ``batch`` is the micro-batch per data-parallel rank. ``activation_checkpointing``, ``reshard_after_forward``
+    and ``cpu_offload`` accept ``"auto"`` (search: no checkpointing or every block checkpointed; True/False;
+    False/True). ``hybrid_shard``: HSDP as the strategy builds it (see :func:`hsdp_replicas`). ``device``:
+    ``"h100"``, ``"a100"``, ``"cpu"`` or a :class:`~lightning_shard.planner.timing.Device`, for the time model.
+    Raises :class:`NoFitError` (a ``ValueError``) when nothing fits (unless ``raise_if_none_fits=False``),
+    saying by how much and which knob helps most.
 
     Example::
 
-        result = plan(model, 16, 8, "80GB", precision="bf16-mixed", batch=4, seq_len=4096)
+        result = plan(model, 16, 8, "80GB", precision="bf16-mixed", batch=4, seq_len=4096,
+                      activation_checkpointing="auto")
         print(result.table); dp, tp = result.choice.mesh
     """
     if world_size < 1 or devices_per_node < 1:
         raise ValueError(f"planner: world_size={world_size} and devices_per_node={devices_per_node} must be >= 1")
     if not 0 <= safety_margin < 1:
         raise ValueError(f"planner: safety_margin={safety_margin} must be in [0, 1)")
+    dev = device_named(device)
     memory = parse_bytes(device_memory_bytes)
     budget = int(memory * (1 - safety_margin))
     heads = heads_of(model)
     profile = profile_activations(
-        model, precision=precision, batch=batch, seq_len=seq_len, example_input=example_input, loss_fn=loss_fn
-    )
+        model, precision=precision, batch=batch, seq_len=seq_len, example_input=example_input, loss_fn=loss_fn,
+        step=step,
+    )  # fmt: skip
+    acs = _choices(activation_checkpointing, [None, "full"])
+    reshards = _choices(reshard_after_forward, [True, False])
+    offloads = _choices(cpu_offload, [False, True])
+    common = dict(precision=precision, batch=batch, seq_len=seq_len, optimizer=optimizer, activations=profile,
+                  sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, example_input=example_input,
+                  loss_fn=loss_fn, step=step)  # fmt: skip
     options: list[MeshOption] = []
     for tp in [t for t in range(1, world_size + 1) if world_size % t == 0]:
-        tp_plan, reason = _mesh_problem(model, world_size, devices_per_node, tp, heads)
+        tp_plan, reason = _mesh_problem(model, world_size, devices_per_node, tp, heads, hybrid_shard)
         mesh = (world_size // tp, tp)
         if tp_plan is None:
             options.append(MeshOption(mesh, None, False, reason))
             continue
-        est = estimate(
-            model,
-            mesh,
-            precision=precision,
-            batch=batch,
-            seq_len=seq_len,
-            cpu_offload=cpu_offload,
-            reshard_after_forward=reshard_after_forward,
-            optimizer=optimizer,
-            activations=profile,
-            tp_plan=tp_plan,
-        )
-        options.append(MeshOption(mesh, est, est.device_total <= budget))
-    choice = next((o for o in options if o.fits), None)
-    table = _table(options, choice, memory, budget, precision, batch, seq_len)
+        replicas = hsdp_replicas(mesh[0], devices_per_node) if hybrid_shard else 1
+        for ac, reshard, offload in itertools.product(acs, reshards, offloads):
+            est = estimate(model, mesh, tp_plan=tp_plan, activation_checkpointing=ac, reshard_after_forward=reshard,
+                           cpu_offload=offload, replicas=replicas, **common)  # fmt: skip
+            t = step_time(est, dev, devices_per_node, precision)
+            options.append(MeshOption(mesh, est, est.device_total <= budget, time=t))
+    fitting = [o for o in options if o.fits]
+    choice = max(fitting, key=lambda o: (o.time.tokens_per_second_per_device, -o.mesh[1]), default=None)
+    table = _table(options, choice, memory, budget, precision, batch, seq_len, dev)
     result = PlanResult(options, choice, budget, table)
     if choice is None and raise_if_none_fits:
-        raise ValueError(_no_fit_message(result, model, world_size, devices_per_node, memory, safety_margin,
-                                         precision, batch, seq_len, cpu_offload, reshard_after_forward, optimizer,
-                                         example_input, loss_fn))  # fmt: skip
+        raise NoFitError(_no_fit_message(result, model, world_size, devices_per_node, memory, safety_margin, common,
+                                         hybrid_shard, dev))  # fmt: skip
     return result
 
 
-def _table(options, choice, memory, budget, precision, batch, seq_len) -> str:
+def _table(options, choice, memory, budget, precision, batch, seq_len, device) -> str:
     head = (
-        f"planner: {precision}, micro-batch {batch} x seq {seq_len}, device memory {format_bytes(memory)} "
-        f"(budget {format_bytes(budget)} after the safety margin)"
+        f"planner: {precision}, micro-batch {batch} x seq {seq_len}, device {device.name} with "
+        f"{format_bytes(memory)} (budget {format_bytes(budget)} after the safety margin); {PIPELINE_NOTE}"
     )
-    cols = ("mesh (dp x tp)", "model states", "activations", "memory/rank", "comm/step", "fits?")
-    lines = [head, "  " + " | ".join(f"{c:>14}" for c in cols)]
+    cols = ("configuration", "model states", "activations", "memory/rank", "comm/step", "step", "tok/s/dev", "MFU",
+            "fits?")  # fmt: skip
+    widths = (30, 12, 12, 12, 11, 8, 10, 5, 16)
+    lines = [head, "  " + " | ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     for o in options:
-        e = o.estimate
-        name = f"{o.mesh[0]} x {o.mesh[1]}"
+        e, t = o.estimate, o.time
         if e is None:
-            lines.append(f"  {name:>14} | invalid: {o.reason}")
+            lines.append(f"  {o.config:>30} | invalid: {o.reason}")
             continue
         cells = (
-            name,
+            o.config,
             format_bytes(e.model_states),
             format_bytes(e.activations),
             format_bytes(e.device_total),
             format_bytes(e.comm_total),
+            f"{t.step:.3g} s",
+            f"{t.tokens_per_second_per_device:,.0f}",
+            f"{t.mfu:.0%}",
             ("yes" if o.fits else "no") + (" <- chosen" if o is choice else ""),
         )
-        lines.append("  " + " | ".join(f"{c:>14}" for c in cells))
+        lines.append("  " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    if choice is not None:
+        lines.append(
+            f"  chosen: {choice.config}, the highest predicted tokens/s per device among the configurations that fit"
+        )
     return "\n".join(lines)
 
 
-def _no_fit_message(result, model, world_size, devices_per_node, memory, margin, precision, batch, seq_len,
-                    cpu_offload, reshard, optimizer, example_input, loss_fn) -> str:  # fmt: skip
+def _no_fit_message(result, model, world_size, devices_per_node, memory, margin, common, hybrid, device) -> str:
     valid = [o for o in result.options if o.estimate is not None]
     if not valid:
         reasons = "; ".join(f"{o.mesh[0]}x{o.mesh[1]}: {o.reason}" for o in result.options)
         return f"planner: no valid mesh for {world_size} devices ({reasons})"
     best = min(valid, key=lambda o: o.estimate.device_total)
     e = best.estimate
-    options = []
-    if not cpu_offload:
-        off = estimate(model, best.mesh, precision=precision, batch=batch, seq_len=seq_len, cpu_offload=True,
-                       reshard_after_forward=reshard, optimizer=optimizer, example_input=example_input,
-                       loss_fn=loss_fn)  # fmt: skip
-        verdict = "fits" if off.device_total <= result.budget_bytes else "still does not fit"
-        options.append(
-            f"CPU offload (cpu_offload=True): {format_bytes(off.device_total)} per device on "
-            f"{best.mesh[0]}x{best.mesh[1]}, {verdict}; needs {format_bytes(off.cpu_bytes)} of host memory per rank"
-        )
-    states_at_1 = e.model_states * best.mesh[0]  # model states scale with 1 / dp
-    rest = e.device_total - (0 if e.cpu_offload else e.model_states)
-    room = result.budget_bytes - rest
-    if not e.cpu_offload and room > 0:
-        need = -(-states_at_1 // room) * best.mesh[1]
-        options.append(f"more devices: about {need} (model states shrink with data-parallel size; activations do not)")
-    else:
-        options.append("more devices alone will not help: activations and unsharded groups exceed the budget")
-    if e.activations > 0 and batch > 1:
-        per_sample = e.activations / batch
-        fit_batch = int((result.budget_bytes - (e.device_total - e.activations)) // per_sample)
-        options.append(
-            f"smaller micro-batch: {fit_batch} would fit on {best.mesh[0]}x{best.mesh[1]}"
-            if fit_batch >= 1
-            else "smaller micro-batch: even batch 1 does not fit"
-        )
-    options.append(f"activation checkpointing or a shorter sequence (activations: {format_bytes(e.activations)})")
+    over = e.device_total - result.budget_bytes
+    knobs = _knobs(model, best, result.budget_bytes, common, devices_per_node)
+    lines = [f"{name}: {format_bytes(after)} per device ({verdict})" for name, after, verdict in knobs]
     return (
-        f"planner: the model does not fit on any mesh of {world_size} devices with "
-        f"{format_bytes(memory)} each (budget {format_bytes(result.budget_bytes)} after a {margin:.0%} margin). "
-        f"Smallest requirement: {format_bytes(e.device_total)} per device on dp={best.mesh[0]} x tp={best.mesh[1]} "
-        f"(model states {format_bytes(e.model_states)}, activations {format_bytes(e.activations)}). Options:\n  - "
-        + "\n  - ".join(options)
+        f"planner: the model does not fit on any configuration of {world_size} devices with {format_bytes(memory)} "
+        f"each (budget {format_bytes(result.budget_bytes)} after a {margin:.0%} margin). Smallest requirement: "
+        f"{format_bytes(e.device_total)} per device on {e.config}, {format_bytes(over)} over the budget "
+        f"(model states {format_bytes(e.model_states)}, activations {format_bytes(e.activations)}, backward "
+        f"transient {format_bytes(e.backward_transient)}). Knobs, the most helpful first:\n  - "
+        + "\n  - ".join(lines)
         + "\n"
         + result.table
     )
+
+
+def _knobs(model, best: MeshOption, budget: int, common: dict, devices_per_node: int) -> list[tuple[str, int, str]]:
+    """What each single change would need per device on the smallest configuration, the most helpful first."""
+    e = best.estimate
+    base = dict(common, tp_plan=tp_plan_for(model, best.mesh[1]), replicas=e.replicas,
+                activation_checkpointing=e.options.checkpointing, reshard_after_forward=e.reshard_after_forward,
+                cpu_offload=e.cpu_offload)  # fmt: skip
+    trials: list[tuple[str, dict]] = []
+    if e.options.checkpointing != "full" and find_blocks(model):
+        trials.append(("activation checkpointing of every block (activation_checkpointing='full')",
+                       {"activation_checkpointing": "full"}))  # fmt: skip
+    if not e.cpu_offload:
+        trials.append(("CPU offload (cpu_offload=True)", {"cpu_offload": True}))
+    if e.reshard_after_forward is not True:
+        trials.append(("reshard_after_forward=True", {"reshard_after_forward": True}))
+    if common["batch"] > 1:
+        half = max(1, common["batch"] // 2)
+        trials.append((f"micro-batch {half}", {"batch": half, "activations": None}))
+    out = []
+    for name, change in trials:
+        kwargs = dict(base, **change)
+        if kwargs.get("activations") is None:
+            kwargs.pop("activations")
+        after = estimate(model, best.mesh, **kwargs).device_total
+        out.append((name, after, "fits" if after <= budget else f"still {format_bytes(after - budget)} over"))
+    # more devices: model states shrink with the data-parallel size, the rest does not
+    rest = e.device_total - (0 if e.cpu_offload else e.model_states)
+    room = budget - rest
+    if not e.cpu_offload and room > 0:
+        need = -(-e.model_states * best.mesh[0] // room) * best.mesh[1]
+        after = rest + e.model_states * best.mesh[0] // max(1, need // best.mesh[1])
+        out.append((f"more devices (about {need})", after, "fits"))
+    else:
+        out.append(("more devices", rest, "does not help: activations and working set alone exceed the budget"))
+    out.sort(key=lambda k: k[1])
+    return out
 
 
 def choose_tensor_parallel_size(
@@ -254,7 +337,7 @@ def choose_tensor_parallel_size(
 ) -> tuple[int, str]:
     """The TP size for ``tensor_parallel_size="auto"`` and the table explaining it (for the strategy's log).
 
-    Raises the planner's ``ValueError`` when nothing fits. Example::
+    Raises :class:`NoFitError` when nothing fits. Example::
 
         tp, table = choose_tensor_parallel_size(model, 8, 8, torch.cuda.get_device_properties(0).total_memory,
                                                 "bf16-mixed", batch=4, seq_len=2048)

@@ -1,0 +1,213 @@
+"""Planner: activation checkpointing, SP / loss parallel, HSDP, transients, time model, search, HF models,
+LightningModules. Single process, meta-device models; oracles are real CPU runs or shapes, not the planner."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_shard.planner import Device, SavedTensorCounter, estimate, plan, step_time
+from tests.tp_models import Llama, LlamaAttention
+
+B, T = 4, 16  # micro-batch and sequence length of every test here
+
+
+def _meta(factory):
+    with torch.device("meta"):
+        return factory()
+
+
+def _real_saved(model, batch=B, seq=T):
+    """A real CPU forward + loss: bytes saved inside the blocks, by the loss, and in total (the oracle)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 101, (batch, seq))
+    with SavedTensorCounter(model) as counter:
+        logits = model(ids)
+    with SavedTensorCounter(model) as loss_counter:
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), torch.zeros(batch * seq, dtype=torch.long))
+    in_blocks = sum(b for path, b in counter.records if any(p.startswith("layers.") for p in path))
+    return in_blocks, loss_counter.total, counter.total + loss_counter.total
+
+
+def test_full_checkpointing_keeps_only_block_inputs():
+    in_blocks, _, total = _real_saved(Llama())
+    model = _meta(Llama)
+    none = estimate(model, (1, 1), batch=B, seq_len=T)
+    full = estimate(model, (1, 1), batch=B, seq_len=T, activation_checkpointing="full")
+    assert none.activations == total
+    block_input = B * T * 32 * 4  # (B, T, dim) fp32, one per block
+    assert full.activations == total - in_blocks + 2 * block_input
+    # backward recomputes one block: its saved bytes come back as a transient
+    assert full.transient_parts["block_backward"] == 2 * none.transient_parts["block_backward"]
+
+
+def test_module_policy_and_selective_op_lie_between_none_and_full():
+    model = _meta(Llama)
+    kw = dict(batch=B, seq_len=T)
+    none = estimate(model, (1, 1), **kw).activations
+    full = estimate(model, (1, 1), activation_checkpointing="full", **kw).activations
+    attention = estimate(model, (1, 1), activation_checkpointing={LlamaAttention}, **kw).activations
+    selective = estimate(model, (1, 1), activation_checkpointing="selective-op", **kw).activations
+    assert full < attention < none and full < selective < none
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        estimate(model, (1, 1), activation_checkpointing="some", **kw)
+
+
+def test_loss_parallel_shards_the_loss_and_sequence_parallel_the_rest():
+    _, loss_bytes, _ = _real_saved(Llama())
+    model = _meta(Llama)
+    kw = dict(batch=B, seq_len=T)
+    tp2 = estimate(model, (1, 2), **kw)
+    lp = estimate(model, (1, 2), loss_parallel=True, **kw)
+    sp = estimate(model, (1, 2), sequence_parallel=True, **kw)
+    assert tp2.activations - lp.activations == pytest.approx(loss_bytes / 2, abs=2)
+    assert sp.activations < tp2.activations
+    # the loss gradient at full vocabulary: two fp32 tensors in log-softmax backward; split over TP under LP
+    assert tp2.transient_parts["loss_gradient"] == B * T * 101 * 8
+    assert lp.transient_parts["loss_gradient"] == B * T * 101 * 8 // 2
+    assert lp.comm["all_gather"] < tp2.comm["all_gather"]  # no logits all-gather
+
+
+def test_hsdp_shards_within_the_replica_group_and_auto_keeps_tp_1():
+    model = _meta(Llama)
+    kw = dict(batch=B, seq_len=T)
+    hsdp = estimate(model, (8, 1), replicas=4, **kw)  # 4 replicas of 2-way sharding
+    two_way = estimate(model, (2, 1), **kw)
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (two_way.params, two_way.grads, two_way.optimizer)
+    assert hsdp.comm["all_reduce"] > 0 and two_way.comm["all_reduce"] == 0
+    result = plan(model, 4, 2, "1GB", hybrid_shard=True, **kw)
+    assert result.choice.mesh == (4, 1) and result.choice.estimate.replicas == 2
+    assert all("hybrid sharding" in o.reason for o in result.options if o.mesh[1] > 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_causal_lm_is_planned(family):
+    hf = pytest.importorskip("tests.hf_models")
+    model = hf.build(family).to("meta")
+    result = plan(model, 2, 2, "1GB", batch=2, seq_len=8)
+    est = result.choice.estimate
+    assert est.activations > 0 and est.model_flops > 0
+    assert est.transient_parts["loss_gradient"] == 2 * 8 * hf.VOCAB * 8  # two fp32 logits-sized gradients at once
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_flops_and_time_model_against_first_principles():
+    model = _meta(_MLP)
+    est = estimate(
+        model, (2, 1), batch=2, seq_len=4, example_input=lambda b, t, d: (torch.randn(b, t, 8, device=d),),
+        loss_fn=lambda out: out.sum(),
+    )  # fmt: skip
+    rows = 2 * 4
+    assert est.model_flops == 3 * 2 * (2 * rows * 8 * 8)  # two 8x8 matmuls, backward = 2x forward
+    ideal = Device("ideal", {"bf16": 1e12, "fp32": 1e12}, 2**30, math.inf, math.inf, math.inf, 0.5, latency=0.0)
+    t = step_time(est, ideal, devices_per_node=8, precision="32-true")
+    assert t.step == pytest.approx(est.hardware_flops / (1e12 * 0.5))  # nothing but compute is left
+    assert t.mfu == pytest.approx(0.5) and t.tokens_per_second_per_device == pytest.approx(rows / t.step)
+    # the two ReLUs write (rows, 8) fp32 each and the loss a scalar: memory-bound, 3 bytes moved per byte written
+    assert est.memory_bound_bytes == 2 * rows * 8 * 4 + 4
+    hbm = Device("finite HBM", ideal.peak_flops, 2**30, math.inf, math.inf, 1e6, 0.5, latency=0.0)
+    extra = step_time(est, hbm, 8, "32-true").compute - t.compute
+    assert extra == pytest.approx(3 * est.memory_bound_bytes * 3 / (1e6 * 0.7))
+    slow = Device("slow links", ideal.peak_flops, 2**30, 1e3, 1e3, math.inf, 0.5, latency=0.0)
+    assert step_time(est, slow, 8, "32-true").step > t.step  # communication longer than compute is exposed
+
+
+def test_auto_picks_checkpointing_only_when_memory_forces_it():
+    model = _meta(Llama)
+    kw = dict(batch=B, seq_len=T, safety_margin=0.0, activation_checkpointing="auto")
+    none = estimate(model, (2, 1), batch=B, seq_len=T)
+    full = estimate(model, (2, 1), batch=B, seq_len=T, activation_checkpointing="full")
+    roomy = plan(model, 2, 1, none.device_total * 2, **kw)
+    assert roomy.choice.estimate.options.checkpointing is None  # recomputation only costs time
+    tight = plan(model, 2, 1, (none.device_total + full.device_total) // 2, **kw)
+    assert tight.choice.estimate.options.checkpointing == "full"
+    assert "ac=full" in tight.table and "<- chosen" in tight.table and "pipeline" in tight.table
+
+
+class _PlainLightningModule(nn.Module):
+    """The shape of an ordinary LightningModule: layers in __init__, no forward, training_step + dataloader."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Llama()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+    def train_dataloader(self):
+        x = torch.randint(0, 101, (3, 10))
+        return [(x, x)]
+
+
+def test_strategy_runs_training_step_on_a_batch_of_the_train_dataloader():
+    pytest.importorskip("lightning")
+    from strategies.strategy import _planner_step
+
+    module = _meta(_PlainLightningModule)
+    example_input, step, batch, seq_len = _planner_step(module, 1, 2048)
+    assert (batch, seq_len) == (3, 10)
+    est = estimate(module, (1, 1), batch=batch, seq_len=seq_len, example_input=example_input, step=step)
+    direct = estimate(_meta(Llama), (1, 1), batch=3, seq_len=10)
+    assert est.activations == direct.activations and est.model_flops == direct.model_flops
+    module.example_input_array = torch.zeros(5, 7, dtype=torch.long)
+    _, step, batch, seq_len = _planner_step(module, 1, 2048)
+    assert step is None and (batch, seq_len) == (5, 7)
+
+
+def test_strategy_auto_passes_its_checkpointing_and_hybrid_sharding_to_the_planner():
+    L = pytest.importorskip("lightning")
+    import strategies
+    from strategies.precision import ShardPrecision
+    from tests.tp_models import LlamaBlock
+
+    class Plain(L.LightningModule):  # layers in __init__, no forward
+        def __init__(self):
+            super().__init__()
+            self.net = Llama()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+        def train_dataloader(self):
+            x = torch.randint(0, 101, (3, 10))
+            return [(x, x)]
+
+    strategy = strategies.ShardFSDPTPStrategy(
+        tensor_parallel_size="auto", activation_checkpointing_policy={LlamaBlock}, sharding_strategy="HYBRID_SHARD",
+        parallel_devices=[torch.device("cpu")] * 2,
+    )  # fmt: skip
+    strategy._lightning_module = Plain()
+    strategy.precision_plugin = ShardPrecision("32-true", "cpu")
+    assert strategy._plan_tensor_parallel_size(4) == 1
+    table = strategy.planner_table
+    assert table is not None and "micro-batch 3 x seq 10" in table  # the train batch, through training_step
+    assert "ac={LlamaBlock}" in table and "hsdp 2x2" in table
+    assert "hybrid sharding (HSDP) does not combine with TP" in table  # TP 2 is never offered
+
+
+def test_auto_offloads_only_when_nothing_else_fits():
+    model = _meta(Llama)
+    kw = dict(batch=B, seq_len=T)
+    off = estimate(model, (2, 1), cpu_offload=True, activation_checkpointing="full", **kw)
+    on = estimate(model, (2, 1), activation_checkpointing="full", **kw)
+    assert off.device_total < on.device_total and off.cpu_bytes == on.model_states
+    budget = (off.device_total + on.device_total) // 2
+    result = plan(model, 2, 1, budget, safety_margin=0.0, cpu_offload="auto", activation_checkpointing="auto",
+                  reshard_after_forward="auto", **kw)  # fmt: skip
+    assert result.choice.estimate.cpu_offload and result.choice.fits
+    assert len([o for o in result.options if o.estimate is not None]) == 8  # 1 mesh x 2 AC x 2 reshard x 2 offload
+    assert step_time(off, "h100", 8).step > step_time(on, "h100", 8).step  # host copies and a host optimizer step

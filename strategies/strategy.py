@@ -126,6 +126,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         _check_choice("start_method", start_method, ("popen", "spawn"))
         _check_size("data_parallel_size", data_parallel_size)
         _check_size("tensor_parallel_size", tensor_parallel_size)
+        _check_arguments(
+            sharding_strategy=sharding_strategy, tensor_parallel_size=tensor_parallel_size, fsdp_unit=fsdp_unit,
+            tp_plan=tp_plan, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            process_group_backend=process_group_backend, timeout=timeout, planner_batch=planner_batch,
+            planner_seq_len=planner_seq_len,
+        )  # fmt: skip
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
         self.fsdp_unit = fsdp_unit
@@ -205,6 +212,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ processes and mesh
     def _configure_launcher(self) -> None:
+        # Lightning calls this in Trainer(...), once the device count is known: size errors now, not in the ranks.
+        world = self.num_nodes * self.num_processes
+        _check_sizes_for_world(self._data_parallel_size, self._tensor_parallel_size, world)
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "spawn":
@@ -513,3 +523,75 @@ def _check_choice(name: str, value, allowed) -> None:
 def _check_size(name: str, value) -> None:
     if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} must be 'auto' or a positive int")
+
+
+def _check_arguments(
+    *,
+    sharding_strategy,
+    tensor_parallel_size,
+    fsdp_unit,
+    tp_plan,
+    reshard_after_forward,
+    cpu_offload,
+    activation_checkpointing_policy,
+    process_group_backend,
+    timeout,
+    planner_batch,
+    planner_seq_len,
+) -> None:
+    """Everything ``__init__`` can check without knowing the devices, so that ``Trainer(strategy=...)`` fails
+    in the user's process with a message naming the argument, rather than in every launched rank."""
+    name = "ShardFSDPTPStrategy"
+    hybrid, _, no_shard = _SHARDING[sharding_strategy]
+    if (hybrid or no_shard) and isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
+        raise ValueError(
+            f"{name}: sharding_strategy={sharding_strategy!r} with tensor_parallel_size={tensor_parallel_size} is "
+            "not supported; use FULL_SHARD or SHARD_GRAD_OP with tensor parallelism"
+        )
+    if isinstance(fsdp_unit, type) or not (
+        fsdp_unit == "auto" or isinstance(fsdp_unit, (set, frozenset)) or callable(fsdp_unit)
+    ):
+        cls = fsdp_unit.__name__ if isinstance(fsdp_unit, type) else None
+        hint = f"; to shard every {cls}, pass {{{cls}}}" if cls else ""
+        raise TypeError(f"{name}: fsdp_unit={fsdp_unit!r}: use 'auto', a set of module classes, or a callable{hint}")
+    if not (tp_plan is None or tp_plan == "auto" or isinstance(tp_plan, dict)):
+        raise TypeError(f"{name}: tp_plan={tp_plan!r}: use 'auto', a dict {{module name: ParallelStyle}}, or None")
+    if not isinstance(reshard_after_forward, int) or (
+        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+    ):
+        raise ValueError(f"{name}: reshard_after_forward={reshard_after_forward!r}: use True, False or an int >= 1")
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"{name}: cpu_offload={cpu_offload!r} must be True or False")
+    policy = activation_checkpointing_policy
+    if policy is not None and not (
+        isinstance(policy, (set, frozenset, list, tuple))
+        and all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy)
+    ):
+        hint = f"; pass {{{policy.__name__}}}" if isinstance(policy, type) else ""
+        raise TypeError(f"{name}: activation_checkpointing_policy={policy!r}: use a set of nn.Module classes{hint}")
+    if process_group_backend is not None and not isinstance(process_group_backend, str):
+        raise TypeError(f"{name}: process_group_backend={process_group_backend!r} must be a string such as 'nccl'")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"{name}: timeout={timeout!r} must be a datetime.timedelta, e.g. timedelta(minutes=30)")
+    for arg, value in (("planner_batch", planner_batch), ("planner_seq_len", planner_seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: {arg}={value!r} must be a positive int")
+
+
+def _check_sizes_for_world(dp, tp, world: int) -> None:
+    """The mesh sizes against the number of devices, as far as they are fixed ('auto' is decided later)."""
+    if world < 1:
+        return
+    if isinstance(tp, int) and world % tp:
+        raise ValueError(
+            f"ShardFSDPTPStrategy: tensor_parallel_size={tp} does not divide the {world} devices; choose a divisor"
+        )
+    if isinstance(dp, int) and isinstance(tp, int) and dp * tp != world:
+        raise ValueError(
+            f"ShardFSDPTPStrategy: data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} but there are "
+            f"{world} devices; make the product equal the number of devices (or use 'auto')"
+        )
+    if isinstance(dp, int) and world % dp:
+        raise ValueError(
+            f"ShardFSDPTPStrategy: data_parallel_size={dp} does not divide the {world} devices; choose a divisor"
+        )

@@ -29,9 +29,8 @@ import sys
 import tarfile
 import tempfile
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINT = "strategies.testing"

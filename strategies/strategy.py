@@ -74,6 +74,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     Args:
         data_parallel_size: ranks per data-parallel group; ``"auto"`` = world size / TP size.
         tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice, or 1 without one).
+            Both sizes also accept their digits as a string (``"2"``), as command lines pass them.
         fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
         reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
@@ -124,8 +125,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         _check_choice("sharding_strategy", sharding_strategy, _SHARDING)
         _check_choice("state_dict_type", state_dict_type, ("sharded", "full"))
         _check_choice("start_method", start_method, ("popen", "spawn"))
-        _check_size("data_parallel_size", data_parallel_size)
-        _check_size("tensor_parallel_size", tensor_parallel_size)
+        data_parallel_size = _check_size("data_parallel_size", data_parallel_size)
+        tensor_parallel_size = _check_size("tensor_parallel_size", tensor_parallel_size)
         _check_arguments(
             sharding_strategy=sharding_strategy, tensor_parallel_size=tensor_parallel_size, fsdp_unit=fsdp_unit,
             tp_plan=tp_plan, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
@@ -520,9 +521,17 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} is not one of {sorted(allowed)}")
 
 
-def _check_size(name: str, value) -> None:
+def _check_size(name: str, value) -> int | str:
+    """A mesh size as given: a positive int, ``"auto"``, or the same as a string (``"2"``, as LightningCLI and
+    other command lines pass it); returns the int or ``"auto"``."""
+    given = value
+    if isinstance(value, str) and value.strip().isdecimal():
+        value = int(value.strip())
+    elif isinstance(value, str) and value.strip() == "auto":
+        value = "auto"
     if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} must be 'auto' or a positive int")
+        raise ValueError(f"ShardFSDPTPStrategy: {name}={given!r} must be 'auto' or a positive int (or its digits)")
+    return value
 
 
 def _check_arguments(

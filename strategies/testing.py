@@ -112,10 +112,12 @@ class _DataParallelSampler:
 
 
 def _dp_size(world_size: int, strategy_kwargs: dict) -> int:
-    dp = strategy_kwargs.get("data_parallel_size", "auto")
+    from strategies.strategy import _check_size  # the strategy's reading of "2" / "auto" / 2
+
+    dp = _check_size("data_parallel_size", strategy_kwargs.get("data_parallel_size", "auto"))
     if isinstance(dp, int):
         return dp
-    tp = strategy_kwargs.get("tensor_parallel_size", 1)
+    tp = _check_size("tensor_parallel_size", strategy_kwargs.get("tensor_parallel_size", 1))
     return world_size // tp if isinstance(tp, int) and tp >= 1 else world_size  # "auto": FSDP only for now
 
 

@@ -139,3 +139,43 @@ def test_valid_sizes_build_a_trainer():
         accelerator="cpu", devices=4, strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2), logger=False
     )
     assert trainer.strategy.num_processes == 4
+
+
+# ----------------------------------------------------------------------------- sizes given as strings
+def test_sizes_accept_digit_strings_as_command_lines_pass_them():
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size="2", data_parallel_size="1"),
+        logger=False,
+    )
+    assert trainer.strategy.num_processes == 2
+    # read as the number it spells: 3 does not divide 2 devices
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 2 devices"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=" 3 "))
+    strategies.ShardFSDPTPStrategy(tensor_parallel_size="auto", data_parallel_size="auto")
+    for bad in ("two", "0", "2.0", "-1", ""):
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size={bad!r} must be 'auto' or a positive int"):
+            strategies.ShardFSDPTPStrategy(tensor_parallel_size=bad)
+
+
+def test_parity_helper_reads_string_sizes_like_the_strategy():
+    from strategies.testing import _dp_size
+
+    assert _dp_size(4, {"tensor_parallel_size": "2"}) == 2
+    assert _dp_size(4, {"data_parallel_size": "4", "tensor_parallel_size": "1"}) == 4
+
+
+# ----------------------------------------------------------------------------- Python version claims
+def test_python_version_claims_agree():
+    import re
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)
+    minimum = re.fullmatch(r">=(\d+)\.(\d+)", project["project"]["requires-python"])
+    assert minimum, project["project"]["requires-python"]
+    major, minor = int(minimum[1]), int(minimum[2])
+    assert project["tool"]["ruff"]["target-version"] == f"py{major}{minor}"
+    assert f"Python {major}.{minor} or newer" in (ROOT / "README.md").read_text()
+    assert sys.version_info[:2] >= (major, minor), "the tests must run on a Python the package claims"

@@ -563,7 +563,8 @@ def _check_arguments(
         cls = fsdp_unit.__name__ if isinstance(fsdp_unit, type) else None
         hint = f"; to shard every {cls}, pass {{{cls}}}" if cls else ""
         raise TypeError(f"{name}: fsdp_unit={fsdp_unit!r}: use 'auto', a set of module classes, or a callable{hint}")
-    if not (tp_plan is None or tp_plan == "auto" or isinstance(tp_plan, dict)):
+    # A style object is a valid plan too (parallelize_module applies it to the root); refuse what never is.
+    if isinstance(tp_plan, (str, bool, int, float)) and tp_plan != "auto":
         raise TypeError(f"{name}: tp_plan={tp_plan!r}: use 'auto', a dict {{module name: ParallelStyle}}, or None")
     if not isinstance(reshard_after_forward, int) or (
         not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1

@@ -84,6 +84,7 @@ def test_planner_cli_refuses_non_positive_sizes(flag, value):
         ({"fsdp_unit": nn.Linear}, TypeError, r"fsdp_unit=.*pass \{Linear\}"),
         ({"fsdp_unit": 3}, TypeError, "fsdp_unit=3"),
         ({"tp_plan": "colwise"}, TypeError, "tp_plan='colwise'"),
+        ({"tp_plan": False}, TypeError, "tp_plan=False.*or None"),
         ({"reshard_after_forward": 0}, ValueError, "reshard_after_forward=0"),
         ({"reshard_after_forward": "yes"}, ValueError, "reshard_after_forward='yes'"),
         ({"cpu_offload": "true"}, TypeError, "cpu_offload='true'"),

@@ -247,3 +247,47 @@ def warm(device: torch.device) -> None:
         )
     torch.cuda.current_stream(device).synchronize()
     warm._done = getattr(warm, "_done", set()) | {str(device)}
+
+
+# The argument types every kernel of this module is launched with (``run_blocks_device`` and ``warm``:
+# C-contiguous device arrays from ``__cuda_array_interface__``, numpy scalars), one entry per
+# ``cuda.jit`` kernel. ``compile_ptx`` compiles exactly these, so a kernel missing here fails the PTX test.
+LAUNCH_SIGNATURES: dict[str, str] = {
+    "_kernel": (
+        "void(int64[:, ::1], float32[::1], uint16[::1], int64[::1], int64,"
+        " float32[::1], uint16[::1], int64[::1], int64, boolean, float32, boolean)"
+    ),
+}
+
+
+def compile_ptx(cc: tuple[int, int]) -> dict[str, str]:
+    """Compile every kernel of this module to PTX for compute capability ``cc``; no GPU needed.
+
+    Uses numba's libNVVM (the ``nvidia-cuda-nvcc-cu12`` wheel that ``numba-cuda[cu12]`` installs) with
+    each kernel's own ``cuda.jit`` options and its launch signature from ``LAUNCH_SIGNATURES``; any
+    compile error propagates. Not available under ``NUMBA_ENABLE_CUDASIM=1`` (the simulator compiles nothing).
+
+    Example::
+
+        >>> from numba_kernels import cuda as kc
+        >>> ptx = kc.compile_ptx((9, 0))
+        >>> ".target sm_90" in ptx["_kernel"]
+        True
+    """
+    if SIM:
+        raise RuntimeError("numba_kernels.cuda.compile_ptx: unset NUMBA_ENABLE_CUDASIM (the simulator has no compiler)")
+    out = {}
+    for name, sig in LAUNCH_SIGNATURES.items():
+        kernel = globals()[name]
+        opts = kernel.targetoptions
+        ptx, _ = cuda.compile_ptx(
+            kernel.py_func,
+            sig,
+            cc=cc,
+            debug=opts.get("debug"),
+            lineinfo=opts.get("lineinfo", False),
+            fastmath=opts.get("fastmath", False),
+            opt=opts.get("opt"),
+        )
+        out[name] = ptx
+    return out

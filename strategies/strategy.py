@@ -74,6 +74,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     Args:
         data_parallel_size: ranks per data-parallel group; ``"auto"`` = world size / TP size.
         tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice, or 1 without one).
+            Both sizes also accept their digits as a string (``"2"``), as command lines pass them.
         fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
         reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
@@ -124,8 +125,15 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         _check_choice("sharding_strategy", sharding_strategy, _SHARDING)
         _check_choice("state_dict_type", state_dict_type, ("sharded", "full"))
         _check_choice("start_method", start_method, ("popen", "spawn"))
-        _check_size("data_parallel_size", data_parallel_size)
-        _check_size("tensor_parallel_size", tensor_parallel_size)
+        data_parallel_size = _check_size("data_parallel_size", data_parallel_size)
+        tensor_parallel_size = _check_size("tensor_parallel_size", tensor_parallel_size)
+        _check_arguments(
+            sharding_strategy=sharding_strategy, tensor_parallel_size=tensor_parallel_size, fsdp_unit=fsdp_unit,
+            tp_plan=tp_plan, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            process_group_backend=process_group_backend, timeout=timeout, planner_batch=planner_batch,
+            planner_seq_len=planner_seq_len,
+        )  # fmt: skip
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
         self.fsdp_unit = fsdp_unit
@@ -205,6 +213,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ processes and mesh
     def _configure_launcher(self) -> None:
+        # Lightning calls this in Trainer(...), once the device count is known: size errors now, not in the ranks.
+        world = self.num_nodes * self.num_processes
+        _check_sizes_for_world(self._data_parallel_size, self._tensor_parallel_size, world)
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "spawn":
@@ -522,9 +533,17 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} is not one of {sorted(allowed)}")
 
 
-def _check_size(name: str, value) -> None:
+def _check_size(name: str, value) -> int | str:
+    """A mesh size as given: a positive int, ``"auto"``, or the same as a string (``"2"``, as LightningCLI and
+    other command lines pass it); returns the int or ``"auto"``."""
+    given = value
+    if isinstance(value, str) and value.strip().isdecimal():
+        value = int(value.strip())
+    elif isinstance(value, str) and value.strip() == "auto":
+        value = "auto"
     if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"ShardFSDPTPStrategy: {name}={value!r} must be 'auto' or a positive int")
+        raise ValueError(f"ShardFSDPTPStrategy: {name}={given!r} must be 'auto' or a positive int (or its digits)")
+    return value
 
 
 def _planner_step(module, batch: int, seq_len: int):
@@ -575,3 +594,76 @@ def _first_train_batch(module):
         except Exception:  # noqa: BLE001 - no data yet (or not defined): the planner falls back to its default
             continue
     return None
+
+
+def _check_arguments(
+    *,
+    sharding_strategy,
+    tensor_parallel_size,
+    fsdp_unit,
+    tp_plan,
+    reshard_after_forward,
+    cpu_offload,
+    activation_checkpointing_policy,
+    process_group_backend,
+    timeout,
+    planner_batch,
+    planner_seq_len,
+) -> None:
+    """Everything ``__init__`` can check without knowing the devices, so that ``Trainer(strategy=...)`` fails
+    in the user's process with a message naming the argument, rather than in every launched rank."""
+    name = "ShardFSDPTPStrategy"
+    hybrid, _, no_shard = _SHARDING[sharding_strategy]
+    if (hybrid or no_shard) and isinstance(tensor_parallel_size, int) and tensor_parallel_size > 1:
+        raise ValueError(
+            f"{name}: sharding_strategy={sharding_strategy!r} with tensor_parallel_size={tensor_parallel_size} is "
+            "not supported; use FULL_SHARD or SHARD_GRAD_OP with tensor parallelism"
+        )
+    if isinstance(fsdp_unit, type) or not (
+        fsdp_unit == "auto" or isinstance(fsdp_unit, (set, frozenset)) or callable(fsdp_unit)
+    ):
+        cls = fsdp_unit.__name__ if isinstance(fsdp_unit, type) else None
+        hint = f"; to shard every {cls}, pass {{{cls}}}" if cls else ""
+        raise TypeError(f"{name}: fsdp_unit={fsdp_unit!r}: use 'auto', a set of module classes, or a callable{hint}")
+    # A style object is a valid plan too (parallelize_module applies it to the root); refuse what never is.
+    if isinstance(tp_plan, (str, bool, int, float)) and tp_plan != "auto":
+        raise TypeError(f"{name}: tp_plan={tp_plan!r}: use 'auto', a dict {{module name: ParallelStyle}}, or None")
+    if not isinstance(reshard_after_forward, int) or (
+        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+    ):
+        raise ValueError(f"{name}: reshard_after_forward={reshard_after_forward!r}: use True, False or an int >= 1")
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"{name}: cpu_offload={cpu_offload!r} must be True or False")
+    policy = activation_checkpointing_policy
+    if policy is not None and not (
+        isinstance(policy, (set, frozenset, list, tuple))
+        and all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy)
+    ):
+        hint = f"; pass {{{policy.__name__}}}" if isinstance(policy, type) else ""
+        raise TypeError(f"{name}: activation_checkpointing_policy={policy!r}: use a set of nn.Module classes{hint}")
+    if process_group_backend is not None and not isinstance(process_group_backend, str):
+        raise TypeError(f"{name}: process_group_backend={process_group_backend!r} must be a string such as 'nccl'")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"{name}: timeout={timeout!r} must be a datetime.timedelta, e.g. timedelta(minutes=30)")
+    for arg, value in (("planner_batch", planner_batch), ("planner_seq_len", planner_seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: {arg}={value!r} must be a positive int")
+
+
+def _check_sizes_for_world(dp, tp, world: int) -> None:
+    """The mesh sizes against the number of devices, as far as they are fixed ('auto' is decided later)."""
+    if world < 1:
+        return
+    if isinstance(tp, int) and world % tp:
+        raise ValueError(
+            f"ShardFSDPTPStrategy: tensor_parallel_size={tp} does not divide the {world} devices; choose a divisor"
+        )
+    if isinstance(dp, int) and isinstance(tp, int) and dp * tp != world:
+        raise ValueError(
+            f"ShardFSDPTPStrategy: data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} but there are "
+            f"{world} devices; make the product equal the number of devices (or use 'auto')"
+        )
+    if isinstance(dp, int) and world % dp:
+        raise ValueError(
+            f"ShardFSDPTPStrategy: data_parallel_size={dp} does not divide the {world} devices; choose a divisor"
+        )

@@ -1,7 +1,9 @@
 """pytest plugin: test your own LightningModule under ``shard_fsdp_tp`` on CPU ranks, in CI, without GPUs.
 
 Enable it with ``pytest -p strategies.testing`` (or the ``pytest11`` entry point, which loads it
-automatically once the package is installed). It gives you:
+automatically once the package is installed). The hooks, ``RunIf`` and the fixture live in the top-level
+module ``shard_pytest`` (the entry point's target, which imports nothing heavy) and are re-exported here;
+this module holds the parity runner. It gives you:
 
 - ``RunIf(...)``: a marker factory built on Lightning's own ``_runif_reasons``, so GPU tests follow
   Lightning's conventions: ``@RunIf(min_cuda_gpus=2, standalone=True)`` skips with Lightning's reason
@@ -50,63 +52,15 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import pytest
+# Registered as a plugin itself (``-p strategies.testing`` without the entry point, or ``pytest_plugins``),
+# this module must carry the hooks too: pytest finds them by name.
+from shard_pytest import RunIf, pytest_collection_modifyitems, pytest_configure, shard_parity  # noqa: F401
 
 __all__ = ["RunIf", "ParityResult", "RankInterleavedSampler", "run_parity", "shard_parity"]
 
 _TIMEOUT = float(os.environ.get("SHARD_PARITY_TIMEOUT", "300"))
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-# --------------------------------------------------------------------------------------------- RunIf
-def RunIf(**kwargs: Any) -> pytest.MarkDecorator:  # noqa: N802 - Lightning's name
-    """Skip a test unless its requirements hold; Lightning's ``RunIf`` on Lightning's ``_runif_reasons``.
-
-    Takes every keyword of ``lightning.pytorch.utilities.testing._runif._runif_reasons`` (``min_cuda_gpus``,
-    ``min_torch``, ``max_torch``, ``bf16_cuda``, ``standalone``, ``skip_windows``, ``dynamo``, ...).
-    ``standalone=True`` means the test must run alone in its own process (it starts its own process group);
-    it runs only when ``PL_RUN_STANDALONE_TESTS=1``, as in Lightning's CI.
-
-    Example::
-
-        @RunIf(min_cuda_gpus=2, standalone=True)
-        def test_two_gpus():
-            ...
-    """
-    from lightning.pytorch.utilities.testing._runif import _runif_reasons
-
-    reasons, marker_kwargs = _runif_reasons(**kwargs)
-    # The extra kwargs (min_cuda_gpus=True, standalone=True) stay on the skipif marker: collection filters read them.
-    return pytest.mark.skipif(condition=len(reasons) > 0, reason=f"Requires: [{' + '.join(reasons)}]", **marker_kwargs)
-
-
-def _has_runif_kwarg(item: pytest.Item, kwarg: str) -> bool:
-    return any(m.name == "skipif" and m.kwargs.get(kwarg) for m in item.iter_markers())
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Lightning's conftest rule: ``PL_RUN_STANDALONE_TESTS=1`` keeps only standalone tests,
-    ``PL_RUN_CUDA_TESTS=1`` only ``min_cuda_gpus`` tests (both set: standalone ones, CPU included)."""
-    options = {"standalone": "PL_RUN_STANDALONE_TESTS", "min_cuda_gpus": "PL_RUN_CUDA_TESTS"}
-    if os.getenv("PL_RUN_STANDALONE_TESTS", "0") == "1" and os.getenv("PL_RUN_CUDA_TESTS", "0") == "1":
-        del options["min_cuda_gpus"]
-    keep, deselected = list(items), []
-    for kwarg, env_var in options.items():
-        if os.getenv(env_var, "0") != "1":
-            continue
-        for item in list(keep):
-            if not _has_runif_kwarg(item, kwarg):
-                keep.remove(item)
-                deselected.append(item)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = keep
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "shard_parity: compares a LightningModule under shard_fsdp_tp with one device")
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -158,10 +112,12 @@ class _DataParallelSampler:
 
 
 def _dp_size(world_size: int, strategy_kwargs: dict) -> int:
-    dp = strategy_kwargs.get("data_parallel_size", "auto")
+    from strategies.strategy import _check_size  # the strategy's reading of "2" / "auto" / 2
+
+    dp = _check_size("data_parallel_size", strategy_kwargs.get("data_parallel_size", "auto"))
     if isinstance(dp, int):
         return dp
-    tp = strategy_kwargs.get("tensor_parallel_size", 1)
+    tp = _check_size("tensor_parallel_size", strategy_kwargs.get("tensor_parallel_size", 1))
     return world_size // tp if isinstance(tp, int) and tp >= 1 else world_size  # "auto": FSDP only for now
 
 
@@ -529,21 +485,6 @@ def _wait(procs, jobs, out: Path, timeout: float) -> None:
                 f"that never calls it; raise SHARD_PARITY_TIMEOUT if the machine is just slow)\n{logs}"
             )
         time.sleep(0.1)
-
-
-@pytest.fixture
-def shard_parity(tmp_path) -> Callable[..., ParityResult]:
-    """``shard_parity(module_factory, world_size=2, max_steps=3, strategy_kwargs=None, trainer_kwargs=None,
-    atol=1e-5, **kw) -> ParityResult``: see ``run_parity``. Logs of every process stay under ``tmp_path``."""
-    counter = iter(range(10**6))
-
-    def call(module_factory: Callable, *args, **kwargs) -> ParityResult:
-        out = tmp_path / f"shard_parity_{next(counter)}"
-        out.mkdir()
-        kwargs.setdefault("out_dir", str(out))
-        return run_parity(module_factory, *args, **kwargs)
-
-    return call
 
 
 # --------------------------------------------------------------------------------------------- standalone runner

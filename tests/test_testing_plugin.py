@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -144,3 +145,45 @@ def test_parity_result_reports_worst_parameters():
     with pytest.raises(AssertionError, match=r"(?s)2 of 3 parameters.*b: 3\.000e-03.*c: 2\.000e-04"):
         result.assert_close()
     assert sys.modules["strategies.testing"].ParityResult is ParityResult
+
+
+_HEAVY = ("torch", "lightning", "numba", "strategies", "lightning_shard")
+
+
+def _pytest11_targets() -> dict[str, str]:
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["entry-points"]["pytest11"]
+
+
+def test_entry_point_imports_nothing_heavy():
+    """The pytest11 entry point loads its module into every pytest run: it must not import torch/Lightning."""
+    targets = _pytest11_targets()
+    assert "strategies.testing" in targets  # the name users pass to -p / -p no:
+    for name, target in targets.items():
+        probe = f"import sys, {target}; print(sorted(m for m in {_HEAVY!r} if m in sys.modules))"
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "[]", f"entry point {name} = {target} imports {proc.stdout.strip()}"
+
+
+def test_plugin_run_stays_light_until_used(pytester):
+    """A pytest run with the plugin enabled and no test using it imports no torch; hooks and fixture are there."""
+    pytester.makepyfile(
+        test_light=textwrap.dedent(
+            f"""
+            import sys
+
+            def test_nothing_heavy(pytestconfig):
+                assert pytestconfig.pluginmanager.hasplugin("shard_pytest")
+                assert sorted(m for m in {_HEAVY!r} if m in sys.modules) == []
+            """
+        )
+    )
+    pytester._monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester._monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # only the plugin under test
+    result = pytester.runpytest_subprocess("-p", "shard_pytest", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    listing = pytester.runpytest_subprocess("-p", "shard_pytest", "-p", "no:cacheprovider", "--fixtures")
+    listing.stdout.fnmatch_lines(["shard_parity*"])

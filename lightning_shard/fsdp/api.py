@@ -150,6 +150,7 @@ def fully_shard(
 
         fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     """
+    _check_arguments(mesh, reshard_after_forward, mp_policy, offload_policy)
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     _check_modules(modules)
     mesh = mesh if mesh is not None else _default_mesh(modules)
@@ -168,6 +169,31 @@ def fully_shard(
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _check_arguments(mesh, reshard_after_forward, mp_policy, offload_policy) -> None:
+    """Types of the keyword arguments, before anything is touched (a wrong type fails later with a message
+    that never names the argument, e.g. ``'torch.dtype' object has no attribute 'param_dtype'``)."""
+    if mesh is not None:
+        _check_mesh(mesh)
+    if not isinstance(reshard_after_forward, int):  # bool is an int
+        raise TypeError(
+            f"fully_shard: reshard_after_forward must be True, False or an int, got {reshard_after_forward!r} "
+            f"({type(reshard_after_forward).__name__})"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        hint = f"MixedPrecisionPolicy(param_dtype={mp_policy})" if isinstance(mp_policy, torch.dtype) else None
+        raise TypeError(
+            f"fully_shard: mp_policy must be a lightning_shard.fsdp.MixedPrecisionPolicy, got {mp_policy!r} "
+            f"({type(mp_policy).__module__}.{type(mp_policy).__name__}); pass "
+            + (hint or "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=..., output_dtype=...)")
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard: offload_policy must be a lightning_shard.fsdp policy, got {offload_policy!r} "
+            f"({type(offload_policy).__module__}.{type(offload_policy).__name__}); pass CPUOffloadPolicy() to keep "
+            "shards on CPU, OffloadPolicy() for none"
+        )
 
 
 def _check_modules(modules: tuple[nn.Module, ...]) -> None:

@@ -32,15 +32,26 @@ def _load(spec: str):
     return obj
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a zero batch, sequence or node size gives a plan of nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_shard.planner", description=__doc__.split("\n")[0])
     parser.add_argument("factory", help="package.module:callable returning the model (built on the meta device)")
-    parser.add_argument("--devices", type=int, required=True, help="world size (all devices)")
-    parser.add_argument("--devices-per-node", type=int, default=None, help="default: --devices (one node)")
+    parser.add_argument("--devices", type=_positive_int, required=True, help="world size (all devices)")
+    parser.add_argument("--devices-per-node", type=_positive_int, default=None, help="default: --devices (one node)")
     parser.add_argument("--memory", required=True, help="memory per device, e.g. 80GB, 24GiB")
     parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--batch", type=int, required=True, help="micro-batch per data-parallel rank")
-    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--batch", type=_positive_int, required=True, help="micro-batch per data-parallel rank")
+    parser.add_argument("--seq-len", type=_positive_int, required=True)
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-nomomentum"])
     parser.add_argument("--safety-margin", type=float, default=0.1)
     parser.add_argument("--cpu-offload", action="store_true")
@@ -60,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(
             model,
             args.devices,
-            args.devices_per_node or args.devices,
+            args.devices if args.devices_per_node is None else args.devices_per_node,
             parse_bytes(args.memory),
             precision=args.precision,
             batch=args.batch,

@@ -15,6 +15,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tp._torch_styles import from_torch
 from lightning_shard.tp.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -66,6 +67,7 @@ def parallelize_module(
 
 def _styles(value: PlanValue, key: str) -> list[ParallelStyle]:
     styles = list(value) if isinstance(value, (list, tuple)) else [value]
+    styles = [ours for s in styles for ours in from_torch(s, key)]  # torch's own styles -> ours (_torch_styles.py)
     for s in styles:
         if not isinstance(s, ParallelStyle):
             raise TypeError(

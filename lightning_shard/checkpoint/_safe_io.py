@@ -120,9 +120,10 @@ class SafeFileSystemReader(FileSystemReader):
     handing the value on. Example: ``SafeFileSystemReader(path)``.
     """
 
-    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *args: Any, marker: Any = False, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
-        self.marker = read_marker(os.fspath(path))
+        # ``marker``: the directory's marker if the caller read it already (False: read it here)
+        self.marker = read_marker(os.fspath(path)) if marker is False else marker
         sums = (self.marker or {}).get("checksums") or {}
         self.algorithm: str | None = sums.get("algorithm")
         self.digests: dict[str, str] = sums.get("entries") or {}

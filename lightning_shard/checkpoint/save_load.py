@@ -224,10 +224,10 @@ def _finish(tmp: str, path: str, ckpt_id: str, digests: list, extra_files: Mappi
     for part in digests:
         entries.update(part)
     with open(os.path.join(tmp, ".metadata"), "rb") as f:
-        files = {".metadata": digest(f.read())}
+        files = {".metadata": digest(f.read(), DEFAULT_ALGORITHM)}
     for name, data in extra_files.items():
         _write_file(os.path.join(tmp, name), data)
-        files[name] = digest(data)
+        files[name] = digest(data, DEFAULT_ALGORITHM)
     _write_marker(tmp, ckpt_id, entries, files)
     _publish(tmp, path, ckpt_id)
 
@@ -283,7 +283,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, *, extra_files: Mapp
 
 def _write_all(converted: dict, tmp: str, path: str, ckpt_id: str, extra_files: Mapping[str, bytes]) -> None:
     os.makedirs(tmp, exist_ok=True)
-    planner = ChecksumSavePlanner()
+    planner = ChecksumSavePlanner(algorithm=DEFAULT_ALGORITHM)
     dcp.save(converted, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=planner, no_dist=not _dist())
     # Gathering the digests is also the barrier: every rank's files are written and synced.
     digests = comm.all_gather_objects(planner.digests) if _dist() else [planner.digests]

@@ -294,8 +294,8 @@ def consolidate(
     """
     sharded_dir = os.path.abspath(os.fspath(sharded_dir))
     out_file = os.path.abspath(os.fspath(out_file))
-    _check_output(out_file, overwrite)
     check_checkpoint_dir(sharded_dir, require_marker=require_marker)
+    _check_output(out_file, overwrite)  # before anything is read or written
     reader = _Reader(sharded_dir)
     tmp = out_file + ".tmp"
     try:

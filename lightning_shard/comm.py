@@ -159,3 +159,28 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGrou
 def _supports_avg(group: dist.ProcessGroup) -> bool:
     # Older gloo builds lack ReduceOp.AVG; NCCL always had it. Sum-then-divide is exact enough for gloo (CPU).
     return "nccl" in str(dist.get_backend(group))
+
+
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (pickled; for small control values).
+
+    torch's ``broadcast_object_list`` puts the pickled bytes on the device the group serves (the current CUDA
+    device for NCCL, the CPU for gloo), so this is safe on any backend.
+
+    Example: ``ckpt_id = broadcast_object(os.urandom(7).hex() if rank == 0 else None)``.
+    """
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's ``obj``, in rank order, on every rank of ``group`` (pickled; device chosen by torch).
+
+    Also a barrier that is correct on any backend: no rank returns before every rank has called it.
+
+    Example: ``all_ok = all(all_gather_objects(ok))``.
+    """
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -24,24 +24,25 @@ from lightning.pytorch.core import saving
 from lightning_shard.checkpoint import consolidate
 from lightning_shard.checkpoint.save_load import MARKER
 
-META_FILE = "meta.pt"
-
 
 def is_sharded_checkpoint(path: Any) -> bool:
-    """True for a directory written by ``lightning_shard.checkpoint.save`` (it holds the completion marker)."""
-    return isinstance(path, (str, os.PathLike)) and (Path(path) / MARKER).is_file()
+    """True for a DCP checkpoint directory: written by ``lightning_shard.checkpoint.save`` (it holds the
+    completion marker) or by another tool such as Lightning's ModelParallelStrategy (DCP's ``.metadata``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    return (Path(path) / MARKER).is_file() or (Path(path) / ".metadata").is_file()
 
 
 def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint in directory ``path`` as one in-memory dict of full tensors, like a full checkpoint."""
+    """The checkpoint in directory ``path`` as one in-memory dict of full tensors, like a full checkpoint.
+
+    Consolidation verifies every checksum and merges Lightning's ``meta.pt`` (loops, callbacks such as a
+    ``ModelCheckpoint``'s state with its tensors), so the result is what a full checkpoint would hold.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "consolidated.pt")
         consolidate(path, out)
-        checkpoint = torch.load(out, map_location="cpu", weights_only=True)
-    meta = Path(path) / META_FILE
-    if meta.is_file():
-        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=True))
-    return checkpoint
+        return torch.load(out, map_location="cpu", weights_only=True)
 
 
 def _wrap(original):

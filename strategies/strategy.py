@@ -43,6 +43,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import nn
 
 from lightning_shard.checkpoint import (
+    check_optimizer_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     load,
@@ -50,6 +51,7 @@ from lightning_shard.checkpoint import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from lightning_shard.checkpoint.state_dict import check_param_groups
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
@@ -458,35 +460,53 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory or a full file (ours or consolidated) into the sharded model and
-        optimizers, whatever mesh it was saved on; returns the rest of Lightning's checkpoint."""
+        """Load a checkpoint into the sharded model and optimizers, whatever mesh it was saved on; returns the
+        rest of Lightning's checkpoint. All or nothing: model and optimizers are checked (and a directory is
+        read and verified) before either is modified.
+
+        Accepted: our sharded directories, DCP directories of other tools with Lightning's layout
+        (ModelParallelStrategy: "state_dict", "optimizer_{i}", ``meta.pt``), our full files, consolidated files,
+        and full checkpoints of other Lightning strategies of the same model (DDP: optimizer state keyed by
+        parameter index, matched by parameter order)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         if path.is_dir():
-            state = {"state_dict": get_model_state_dict(self.model)}
-            saved = _top_level_entries(path)
-            for i, optimizer in enumerate(optimizers):
-                if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
-                    state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
-            load(state, path, strict=strict)
-            for i, optimizer in enumerate(optimizers):
-                if f"optimizer_{i}" in state:
-                    set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
-            meta_file = path / META_FILE
-            return torch.load(meta_file, map_location="cpu", weights_only=True) if meta_file.is_file() else {}
+            return self._load_sharded(path, optimizers, strict)
         if not path.is_file():
             raise FileNotFoundError(f"shard_fsdp_tp: no checkpoint at {path}")
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), strict=strict)
         optim_states = checkpoint.pop("optimizer_states", None)
         if optim_states is None:
             optim_states = [
                 checkpoint.pop(f"optimizer_{i}") for i in range(len(optimizers)) if f"optimizer_{i}" in checkpoint
             ]
-        for optimizer, optim_state in zip(optimizers, optim_states or []):
+        pairs = list(zip(optimizers, optim_states or []))
+        for optimizer, optim_state in pairs:  # before the model is touched
+            check_optimizer_state_dict(self.model, optimizer, optim_state)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), strict=strict)
+        for optimizer, optim_state in pairs:
             set_optimizer_state_dict(self.model, optimizer, optim_state)
         return checkpoint
+
+    def _load_sharded(self, path: Path, optimizers: list, strict: bool) -> dict[str, Any]:
+        state = {"state_dict": get_model_state_dict(self.model)}
+        saved = _top_level_entries(path)
+        for i, optimizer in enumerate(optimizers):
+            if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+
+        def check_optimizers(loaded: dict[str, Any]) -> None:  # the param groups, before anything is copied
+            for i, optimizer in enumerate(optimizers):
+                if f"optimizer_{i}" in loaded:
+                    check_param_groups(self.model, optimizer, loaded[f"optimizer_{i}"])
+
+        meta = _read_meta(path)  # verified before the load, so a damaged meta.pt changes nothing either
+        load(state, path, strict=strict, before_commit=check_optimizers)
+        for i, optimizer in enumerate(optimizers):
+            if f"optimizer_{i}" in state:  # tensors are in place already; this sets the hyperparameters
+                set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+        return meta
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
@@ -518,6 +538,19 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """Lightning's non-tensor checkpoint part (``meta.pt``) of a sharded directory, checked against the checksum
+    in our marker when there is one, read with ``weights_only=True``."""
+    from lightning_shard.checkpoint._safe_io import read_marker, verify_file
+
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        return {}
+    data = meta_file.read_bytes()
+    verify_file(str(path), META_FILE, data, read_marker(str(path)))
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _top_level_entries(path: Path) -> set[str]:

@@ -10,9 +10,12 @@ Example::
 """
 
 from lightning_shard.checkpoint._consolidate import consolidate
+from lightning_shard.checkpoint._integrity import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from lightning_shard.checkpoint._safe_io import CheckpointSecurityError
 from lightning_shard.checkpoint.huggingface import save_hf_pretrained
 from lightning_shard.checkpoint.save_load import load, save
 from lightning_shard.checkpoint.state_dict import (
+    check_optimizer_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -28,4 +31,9 @@ __all__ = [
     "load",
     "consolidate",
     "save_hf_pretrained",
+    "check_optimizer_state_dict",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointWriteError",
+    "CheckpointSecurityError",
 ]

@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_shard.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner
-from lightning_shard.checkpoint.save_load import check_checkpoint_dir
+from lightning_shard.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner, check_files, verify_file
+from lightning_shard.checkpoint.save_load import _read_error, check_checkpoint_dir
 
 __all__ = ["consolidate", "main"]
 
@@ -62,7 +62,10 @@ class _Reader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.metadata: Metadata = SafeFileSystemReader(path).read_metadata()
+        reader = SafeFileSystemReader(path)
+        self.marker = reader.marker
+        self.metadata: Metadata = reader.read_metadata()
+        check_files(path, self.metadata)  # a missing or truncated file is named before anything is written
 
     def tensor(self, key: str) -> torch.Tensor:
         md = self.metadata.state_dict_metadata[key]
@@ -81,12 +84,17 @@ class _Reader:
             self._load_quiet(state)
 
     def _load_quiet(self, state: dict[str, Any]) -> None:
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(self.path),
-            planner=SafeLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(self.path, marker=self.marker),
+                planner=SafeLoadPlanner(allow_partial_load=True),
+                no_dist=True,
+            )
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise _read_error(e, self.path) from (e if isinstance(e, Exception) else None)
 
     def path_of(self, key: str) -> tuple:
         return tuple(self.metadata.planner_data.get(key, (key,)))
@@ -114,9 +122,27 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _IndexPickler(pickle.Pickler):
-    """Pickles the object tree exactly as ``torch.save`` would, with tensors' data left to later records."""
+    """Pickles the object tree exactly as ``torch.save`` would, with tensors' data left to later records.
+
+    Tensors already in memory (e.g. a ``ModelCheckpoint``'s ``best_model_score`` in Lightning's ``meta.pt``)
+    are referenced the same way and collected in ``inline`` (storage key -> tensor) for the caller to write,
+    so the file stays readable with ``weights_only=True``.
+    """
+
+    def __init__(self, *args: Any, first_key: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.inline: dict[str, torch.Tensor] = {}
+        self.next_key = first_key
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
+                raise TypeError(f"consolidate: cannot store a {type(obj).__name__} ({obj.layout}) as plain data")
+            t = obj.detach().to("cpu").contiguous()
+            key = str(self.next_key)
+            self.next_key += 1
+            self.inline[key] = t
+            obj = _TensorRef(key, tuple(t.shape), t.dtype)
         if isinstance(obj, _TensorRef):
             args = (_StorageRef(obj), 0, torch.Size(obj.shape), _contiguous_stride(obj.shape), False)
             return torch._utils._rebuild_tensor_v2, (*args, collections.OrderedDict())
@@ -153,7 +179,8 @@ def _write_torch(reader: _Reader, keys: list[str], out_file: str, extra: dict[st
     root, tensors = _tree(reader, keys)
     root.update(extra or {})  # e.g. Lightning's meta.pt: loops, callbacks, hyperparameters
     buf = io.BytesIO()
-    _IndexPickler(buf, protocol=2).dump(root)
+    pickler = _IndexPickler(buf, protocol=2, first_key=len(tensors))
+    pickler.dump(root)
     data = buf.getvalue()
     writer = torch._C.PyTorchFileWriter(out_file)
     # The records torch.save writes, in its order (see torch.serialization._save).
@@ -167,6 +194,9 @@ def _write_torch(reader: _Reader, keys: list[str], out_file: str, extra: dict[st
         storage = t.untyped_storage()
         writer.write_record(f"data/{storage_key}", storage, storage.nbytes())
         del t, storage  # one tensor at a time
+    for storage_key, t in pickler.inline.items():
+        storage = t.untyped_storage()
+        writer.write_record(f"data/{storage_key}", storage, storage.nbytes())
     writer.write_end_of_file()
 
 
@@ -212,11 +242,32 @@ def _write_safetensors(reader: _Reader, out_file: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ entry points
-def _lightning_meta(sharded_dir: str) -> dict[str, Any]:
+def _lightning_meta(sharded_dir: str, marker: dict[str, Any] | None) -> dict[str, Any]:
     """The non-tensor part of a checkpoint written by the Lightning strategy (``meta.pt``), if any, so the
-    consolidated file is a complete Lightning checkpoint that ``fit(ckpt_path=...)`` resumes from."""
+    consolidated file is a complete Lightning checkpoint that ``fit(ckpt_path=...)`` resumes from. Verified
+    against its checksum; read with ``weights_only=True``."""
     meta = os.path.join(sharded_dir, "meta.pt")
-    return torch.load(meta, map_location="cpu", weights_only=True) if os.path.isfile(meta) else {}
+    if not os.path.isfile(meta):
+        return {}
+    with open(meta, "rb") as f:
+        data = f.read()
+    verify_file(sharded_dir, "meta.pt", data, marker)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _check_output(out_file: str, overwrite: bool) -> None:
+    """Refuse an output path before anything is read or written."""
+    if os.path.isdir(out_file):
+        raise IsADirectoryError(f"consolidate: the output {out_file} is a directory; give a file name")
+    if os.path.exists(out_file) and not overwrite:
+        raise FileExistsError(
+            f"consolidate: the output {out_file} exists; pass overwrite=True (CLI: --overwrite) to replace it"
+        )
+    parent = os.path.dirname(out_file) or "."
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"consolidate: the output's directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"consolidate: the output's directory {parent} is not writable")
 
 
 def consolidate(
@@ -224,12 +275,17 @@ def consolidate(
     out_file: str | os.PathLike,
     *,
     safetensors: bool = False,
-    require_marker: bool = True,
+    require_marker: bool = False,
+    overwrite: bool = False,
 ) -> None:
     """Write the checkpoint directory ``sharded_dir`` as one file ``out_file``, one tensor at a time.
 
-    Runs in one process (no process group, any machine that sees the directory). The output is written to
-    ``<out_file>.tmp`` and renamed when complete. See the module docstring for formats and memory.
+    Runs in one process (no process group, any machine that sees the directory). The output path is checked
+    first (an existing file is refused unless ``overwrite=True``); the output is written to ``<out_file>.tmp``
+    and renamed when complete. Every entry is verified against the checksum recorded at save (a mismatch
+    raises ``CheckpointCorruptError`` naming the file and entry, and no output is left). Directories written
+    by other tools (no marker) are read without checksums unless ``require_marker=True``. See the module
+    docstring for formats and memory.
 
     Example::
 
@@ -239,13 +295,15 @@ def consolidate(
     sharded_dir = os.path.abspath(os.fspath(sharded_dir))
     out_file = os.path.abspath(os.fspath(out_file))
     check_checkpoint_dir(sharded_dir, require_marker=require_marker)
+    _check_output(out_file, overwrite)  # before anything is read or written
     reader = _Reader(sharded_dir)
     tmp = out_file + ".tmp"
     try:
         if safetensors:
             _write_safetensors(reader, tmp)
         else:
-            _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp, _lightning_meta(sharded_dir))
+            meta = _lightning_meta(sharded_dir, reader.marker)
+            _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp, meta)
         os.replace(tmp, out_file)
     finally:
         if os.path.exists(tmp):
@@ -253,7 +311,7 @@ def consolidate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m lightning_shard.checkpoint.consolidate IN OUT [--safetensors]``."""
+    """CLI: ``python -m lightning_shard.checkpoint.consolidate IN OUT [--safetensors] [--overwrite]``."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_shard.checkpoint.consolidate",
         description="Consolidate a sharded lightning_shard/DCP checkpoint directory into one file, streaming.",
@@ -261,13 +319,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sharded_dir", help="checkpoint directory written by lightning_shard.checkpoint.save")
     parser.add_argument("out_file", help="output file (torch.load(..., weights_only=True) format by default)")
     parser.add_argument("--safetensors", action="store_true", help="write the model weights only, as safetensors")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument(
-        "--no-require-marker",
+        "--require-marker",
         action="store_true",
-        help="accept a DCP directory without lightning_shard's completion marker (written by another tool)",
+        help="refuse a DCP directory without lightning_shard's completion marker (one written by another tool)",
     )
+    parser.add_argument("--no-require-marker", action="store_true", help=argparse.SUPPRESS)  # the default now
     args = parser.parse_args(argv)
-    consolidate(
-        args.sharded_dir, args.out_file, safetensors=args.safetensors, require_marker=not args.no_require_marker
-    )
+    try:
+        consolidate(
+            args.sharded_dir,
+            args.out_file,
+            safetensors=args.safetensors,
+            require_marker=args.require_marker,
+            overwrite=args.overwrite,
+        )
+    except Exception as e:  # a one-line message naming the file, not a traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0

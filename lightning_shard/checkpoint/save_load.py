@@ -2,14 +2,22 @@
 
 Crash-safety protocol of ``save(state, path)`` (every rank calls it; ``path`` on a filesystem all ranks share):
 
-1. Rank 0 draws a random id and broadcasts it (a tensor, no pickling); every rank writes its shards into
-   ``<path>.tmp-<id>/`` through DCP (which also has rank 0 write DCP's ``.metadata``).
-2. Barrier: every rank has finished writing (and fsynced: DCP's writer syncs files).
-3. Rank 0 writes the completion marker ``.lightning_shard_complete`` (JSON) last, fsyncs it, then publishes:
+1. Rank 0 removes temp dirs of earlier failed saves of ``path``, draws a random id and broadcasts it; every rank
+   writes its shards into ``<path>.tmp-<id>/`` through DCP (which also has rank 0 write DCP's ``.metadata``),
+   hashing each entry as it hands it to the writer.
+2. The digests are gathered on rank 0 (also a barrier: every rank has finished writing and fsynced).
+3. Rank 0 writes the completion marker ``.lightning_shard_complete`` (JSON, with every entry's and file's
+   checksum) last, fsyncs it, then publishes:
    if ``path`` exists it is renamed to ``<path>.old-<id>``, the temp dir is renamed to ``path``
    (``os.replace``, atomic on POSIX), the old one deleted. Stale ``<path>.tmp-*`` / ``<path>.old-*`` left by
    crashed saves are deleted after a successful publish.
-4. Barrier: when ``save`` returns, ``path`` is the new checkpoint on every rank.
+4. Rank 0 broadcasts the outcome: when ``save`` returns, ``path`` is the new checkpoint on every rank.
+
+Any failure (a full disk, an I/O error, a rank's exception) removes the temp dir on every path out and raises an
+``Exception`` naming the OS error, the path and the bytes needed; ``path`` is left as it was.
+
+``load`` reads everything into new tensors first, verifying each entry's checksum, and copies into the caller's
+tensors only once every rank has read everything: a failed load leaves the model and optimizer untouched.
 
 A crash before step 3 leaves ``path`` untouched (the temp dir has no marker and is never loaded). The only
 window where ``path`` does not exist is between the two renames of step 3 (two metadata operations on rank 0);
@@ -25,34 +33,65 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
+import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor as TorchDTensor
 
+from lightning_shard import comm
+from lightning_shard.checkpoint._integrity import (
+    DEFAULT_ALGORITHM,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    ChecksumSavePlanner,
+    digest,
+    failures_of,
+    write_error,
+)
 from lightning_shard.checkpoint._interop import to_torch
-from lightning_shard.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner
-from lightning_shard.checkpoint._validate import Problems, describe
+from lightning_shard.checkpoint._safe_io import (
+    MARKER,
+    CheckpointSecurityError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_files,
+)
+from lightning_shard.checkpoint._validate import Problems, castable, describe
 from lightning_shard.tensor import DTensor
 
-__all__ = ["save", "load", "MARKER", "FORMAT_VERSION"]
+__all__ = [
+    "save",
+    "load",
+    "MARKER",
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointWriteError",
+    "CheckpointSecurityError",
+]
 
-MARKER = ".lightning_shard_complete"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the marker records checksums
 _PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device)
+_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{14}$")  # <path>.tmp-<id>: a save in progress or one that failed
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+# Control messages between ranks go through torch's object collectives (comm.broadcast_object /
+# comm.all_gather_objects), which put their bytes on the device the group serves (CUDA for NCCL, CPU for gloo).
 def _dist() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
@@ -61,17 +100,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
+def _remove_stale_temps(path: str) -> None:
+    """Temp dirs of earlier saves of ``path`` that failed or crashed (one writer per path is assumed)."""
+    for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
-def _agree_id() -> str:
-    """A random id chosen by rank 0 and broadcast to all (one int64 tensor: no pickling)."""
-    t = torch.tensor([int.from_bytes(os.urandom(7), "little") if _rank() == 0 else 0], dtype=torch.int64)
-    if _dist():
-        dist.broadcast(t, 0)
-    return f"{int(t.item()):014x}"
+def _agree_id(path: str) -> str:
+    """Rank 0 clears failed saves' temp dirs, then draws a random id that every rank receives."""
+    ckpt_id = None
+    if _rank() == 0:
+        _remove_stale_temps(path)  # before anyone writes: a failed save's leftovers must not fill the disk
+        ckpt_id = os.urandom(7).hex()
+    return str(comm.broadcast_object(ckpt_id, 0)) if _dist() else str(ckpt_id)
 
 
 def _to_dcp(obj: Any, where: str = "state") -> Any:
@@ -99,7 +140,7 @@ def _to_dcp(obj: Any, where: str = "state") -> Any:
 
 
 def _merge_back(state: Any, loaded: Any) -> Any:
-    """Put loaded non-tensor values into the caller's containers (tensors were loaded in place)."""
+    """Put loaded non-tensor values into the caller's containers (tensors are copied by ``_commit``)."""
     if isinstance(state, dict) and isinstance(loaded, Mapping):
         for k in state:
             if k in loaded:
@@ -127,7 +168,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_marker(tmp: str, ckpt_id: str) -> None:
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_marker(tmp: str, ckpt_id: str, entries: dict[str, str], files: dict[str, str]) -> None:
     info = {
         "format": "lightning_shard.checkpoint/dcp",
         "version": FORMAT_VERSION,
@@ -135,12 +183,9 @@ def _write_marker(tmp: str, ckpt_id: str) -> None:
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "time": time.time(),
         "torch": torch.__version__,
+        "checksums": {"algorithm": DEFAULT_ALGORITHM, "files": files, "entries": entries},
     }
-    marker = os.path.join(tmp, MARKER)
-    with open(marker, "w") as f:
-        json.dump(info, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_file(os.path.join(tmp, MARKER), json.dumps(info).encode())
     _fsync_dir(tmp)
 
 
@@ -148,7 +193,11 @@ def _publish(tmp: str, path: str, ckpt_id: str) -> None:
     old = f"{path}.old-{ckpt_id}"
     if os.path.exists(path):
         os.replace(path, old)  # window opens: `path` is missing, `old` is complete
-        os.replace(tmp, path)  # window closes
+        try:
+            os.replace(tmp, path)  # window closes
+        except BaseException:
+            os.replace(old, path)  # put the previous checkpoint back
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
@@ -156,6 +205,38 @@ def _publish(tmp: str, path: str, ckpt_id: str) -> None:
     # Leftovers of saves that crashed (one writer per path at a time is assumed).
     for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensor data a checkpoint of ``obj`` holds (global sizes: every rank computes the total)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()  # DTensors report their global numel
+    if isinstance(obj, Mapping):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _finish(tmp: str, path: str, ckpt_id: str, digests: list, extra_files: Mapping[str, bytes]) -> None:
+    """Rank 0: extra files, the marker with every checksum, then the atomic publish."""
+    entries: dict[str, str] = {}
+    for part in digests:
+        entries.update(part)
+    with open(os.path.join(tmp, ".metadata"), "rb") as f:
+        files = {".metadata": digest(f.read(), DEFAULT_ALGORITHM)}
+    for name, data in extra_files.items():
+        _write_file(os.path.join(tmp, name), data)
+        files[name] = digest(data, DEFAULT_ALGORITHM)
+    _write_marker(tmp, ckpt_id, entries, files)
+    _publish(tmp, path, ckpt_id)
+
+
+def _remove(tmp: str) -> None:
+    for _ in range(3):  # ranks may remove the same tree concurrently
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(tmp):
+            return
 
 
 # ------------------------------------------------------------------------------------------------ save
@@ -166,8 +247,9 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, *, extra_files: Mapp
     "optimizer": get_optimizer_state_dict(model, opt), "step": 3, "rng": torch.get_rng_state()}``. Our DTensors
     are written as torch DTensors (each rank its shard; replicated data once), plain tensors once (rank 0's
     value: store per-rank values under per-rank keys), other values as ``torch.save`` bytes read back with
-    ``weights_only=True``. Every rank must call it (collective); ``path`` must be on a filesystem all ranks
-    see. If ``path`` exists it is replaced only once the new checkpoint is complete.
+    ``weights_only=True``. Every entry's checksum is recorded in the completion marker. Every rank must call it
+    (collective); ``path`` must be on a filesystem all ranks see. If ``path`` exists it is replaced only once
+    the new checkpoint is complete.
 
     Example::
 
@@ -175,6 +257,9 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, *, extra_files: Mapp
 
     ``extra_files`` (name -> bytes) are written by rank 0 into the checkpoint directory before it is published,
     so they are part of the atomic checkpoint (the Lightning strategy keeps its loop state in ``meta.pt``).
+
+    Raises ``CheckpointWriteError`` (an ``OSError``; ``errno`` e.g. ``ENOSPC``) naming the OS error, the path,
+    the bytes needed and the bytes free when writing fails, on every rank; the temp dir is removed.
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
@@ -182,35 +267,51 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, *, extra_files: Mapp
     if not isinstance(state, Mapping):
         raise TypeError(f"save: state must be a dict (e.g. {{'model': ...}}), got {type(state).__name__}")
     converted = _to_dcp(state)
-    ckpt_id = _agree_id()
+    needed = _nbytes(converted) + sum(len(v) for v in (extra_files or {}).values())
+    ckpt_id = _agree_id(path)
     tmp = f"{path}.tmp-{ckpt_id}"
+    try:
+        _write_all(converted, tmp, path, ckpt_id, extra_files or {})
+    except BaseException as e:
+        _remove(tmp)  # on every rank and every way out: a failed save must not keep its space
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(e, (CheckpointError, TypeError, ValueError)):
+            raise  # already says what is wrong
+        raise write_error(e, path, tmp, needed) from (e if isinstance(e, Exception) else None)
+
+
+def _write_all(converted: dict, tmp: str, path: str, ckpt_id: str, extra_files: Mapping[str, bytes]) -> None:
     os.makedirs(tmp, exist_ok=True)
-    dcp.save(converted, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not _dist())
-    _barrier()  # every rank's files are written and synced
+    planner = ChecksumSavePlanner(algorithm=DEFAULT_ALGORITHM)
+    dcp.save(converted, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=planner, no_dist=not _dist())
+    # Gathering the digests is also the barrier: every rank's files are written and synced.
+    digests = comm.all_gather_objects(planner.digests) if _dist() else [planner.digests]
     error: BaseException | None = None
     if _rank() == 0:
         try:
-            for name, data in (extra_files or {}).items():
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            _write_marker(tmp, ckpt_id)
-            _publish(tmp, path, ckpt_id)
-        except BaseException as e:  # tell the other ranks instead of leaving them in the barrier
+            _finish(tmp, path, ckpt_id, digests, extra_files)
+        except BaseException as e:  # tell the other ranks instead of leaving them waiting
             error = e
-    ok = torch.tensor([0 if error is not None else 1])
+    outcome = None if error is None else f"{type(error).__name__}: {error}"
     if _dist():
-        dist.broadcast(ok, 0)
+        outcome = comm.broadcast_object(outcome, 0)
     if error is not None:
         raise error
-    if not ok.item():
-        raise RuntimeError(f"save: rank 0 failed to publish {path}; the previous checkpoint (if any) is intact")
+    if outcome is not None:
+        raise CheckpointError(
+            f"save: rank 0 failed to publish {path} ({outcome}); the previous checkpoint (if any) is intact"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ load
-def check_checkpoint_dir(path: str, *, require_marker: bool = True) -> None:
-    """Raise a clear error unless ``path`` is a complete checkpoint directory.
+def check_checkpoint_dir(path: str, *, require_marker: bool = False) -> None:
+    """Raise a clear error unless ``path`` is a checkpoint directory that can be loaded.
+
+    A directory with our completion marker is ours. A directory at its final path with DCP's ``.metadata`` and
+    no marker was written by another tool (torch's ``dcp.save``, Lightning's ModelParallelStrategy,
+    torchtitan) and is accepted, unless ``require_marker=True``: our own saves only reach their final path
+    complete. A ``<path>.tmp-<id>`` directory is a save that did not finish and is refused.
 
     Example: ``check_checkpoint_dir("ckpts/step3")``.
     """
@@ -224,37 +325,62 @@ def check_checkpoint_dir(path: str, *, require_marker: bool = True) -> None:
         )
         what = "is not a directory" if os.path.exists(path) else "does not exist"
         raise FileNotFoundError(f"load: {path} {what}; expected a checkpoint directory written by save(){hint}")
+    has_marker = os.path.exists(os.path.join(path, MARKER))
+    if not has_marker and _TMP_NAME.search(path):
+        raise ValueError(
+            f"load: {path} is the temporary directory of a save that did not finish (it has no completion marker "
+            f"{MARKER!r}); load the checkpoint at {_TMP_NAME.sub('', path)} instead"
+        )
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(
             f"load: {path} is not a complete checkpoint: it has no DCP '.metadata' file (an interrupted save, or not "
             "a checkpoint directory at all)"
         )
-    if require_marker and not os.path.exists(os.path.join(path, MARKER)):
+    if require_marker and not has_marker:
         raise ValueError(
-            f"load: {path} has no completion marker {MARKER!r}: the save that wrote it did not finish (a crashed "
-            "save leaves such a directory) or another tool wrote it. If it is a complete DCP checkpoint written by "
-            "torch.distributed.checkpoint, pass require_marker=False."
+            f"load: {path} has no completion marker {MARKER!r}: another tool wrote it (require_marker=True "
+            "refuses such directories; the default accepts a DCP directory with a valid '.metadata')"
         )
 
 
-def _validate(converted: dict, metadata, path: str, strict: bool) -> None:
+def _top(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+def _validate(converted: dict, metadata: Metadata, path: str, strict: bool) -> dict[str, torch.dtype]:
+    """Check ``converted`` against the checkpoint; return the saved dtype of every tensor key to load."""
     flat, _ = flatten_state_dict(converted)
     saved = metadata.state_dict_metadata
     problems = Problems(f"load({path})")
+    saved_tops = {_top(k) for k in saved}
+    absent = sorted({_top(k) for k in flat} - saved_tops)
+    for top in absent:  # a whole entry missing: say so instead of listing its keys
+        if strict:
+            problems.add(
+                f"the checkpoint has no {top!r} entry (it holds {sorted(saved_tops)}): it was saved without it "
+                f"(e.g. a weights-only checkpoint has no optimizer state); leave {top!r} out of the state to load, "
+                "or pass strict=False"
+            )
+    dtypes: dict[str, torch.dtype] = {}
     matched = 0
     for key, value in flat.items():
         md = saved.get(key)
         if md is None:
-            if strict:
+            if strict and _top(key) not in absent:
                 problems.missing([key])
             continue
         if isinstance(value, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
                 problems.mismatch(key, describe(value.shape, value.dtype), "a non-tensor value")
                 continue
-            if tuple(md.size) != tuple(value.shape) or md.properties.dtype != value.dtype:
+            if tuple(md.size) != tuple(value.shape):
                 problems.mismatch(key, describe(value.shape, value.dtype), describe(md.size, md.properties.dtype))
                 continue
+            if not castable(md.properties.dtype, value.dtype):
+                problems.dtype(key, value.dtype, md.properties.dtype)
+                matched += 1
+                continue
+            dtypes[key] = md.properties.dtype
         elif isinstance(md, TensorStorageMetadata):
             problems.mismatch(key, f"a {type(value).__name__}", describe(md.size, md.properties.dtype))
             continue
@@ -265,8 +391,55 @@ def _validate(converted: dict, metadata, path: str, strict: bool) -> None:
     if strict:
         # Only within the top-level entries asked for: loading {"model": ...} from a training checkpoint is fine.
         tops = {str(k) for k in converted}
-        problems.unexpected(k for k in saved if k.split(".", 1)[0] in tops and k not in flat)
-    problems.raise_if_any(n_expected=len(flat), n_matched=matched)
+        problems.unexpected(k for k in saved if _top(k) in tops and k not in flat)
+    n_expected = sum(1 for k in flat if _top(k) not in absent)
+    problems.raise_if_any(n_expected=n_expected, n_matched=matched)
+    return dtypes
+
+
+def _empty_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """New storage in ``value``'s layout (same shard of the same mesh for a DTensor) holding ``dtype``."""
+    if isinstance(value, TorchDTensor):
+        local = torch.empty_like(value._local_tensor, dtype=dtype)
+        return TorchDTensor.from_local(
+            local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+        )
+    return torch.empty_like(value, dtype=dtype)
+
+
+def _shadow(converted: dict, dtypes: dict[str, torch.dtype]) -> tuple[dict, dict, dict]:
+    """(flat targets, flat new storage, nested new storage): the load reads into new storage only."""
+    flat, mappings = flatten_state_dict(converted)
+    fresh = {}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            fresh[key] = _empty_like(value, dtypes.get(key, value.dtype))
+        else:
+            fresh[key] = copy.deepcopy(value)
+    return flat, fresh, unflatten_state_dict(fresh, mappings)
+
+
+def _commit(flat: dict, fresh: dict, dtypes: dict[str, torch.dtype]) -> None:
+    """Copy every loaded tensor into the caller's tensor (local shard for DTensors); no collective, no I/O."""
+    with torch.no_grad():
+        for key in dtypes:
+            target, value = flat[key], fresh[key]
+            if isinstance(target, TorchDTensor):
+                target._local_tensor.copy_(value._local_tensor)
+            else:
+                target.copy_(value)
+
+
+def _read_error(exc: BaseException, path: str) -> Exception:
+    """An ``Exception`` for a failed DCP read (torch's ``CheckpointException`` is a ``BaseException``), of the
+    first failure's class when it is one of ours, naming the ranks."""
+    failures = failures_of(exc)
+    rank, first = failures[0]
+    ranks = sorted({r for r, _ in failures if r is not None})
+    on = f" (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks else ""
+    if isinstance(first, (CheckpointError, CheckpointSecurityError)):
+        return type(first)(f"load({path}) failed{on}: {first} -- nothing was modified")
+    return CheckpointError(f"load({path}) failed{on}: {type(first).__name__}: {first} -- nothing was modified")
 
 
 def load(
@@ -274,22 +447,32 @@ def load(
     path: str | os.PathLike,
     *,
     strict: bool = True,
-    require_marker: bool = True,
+    require_marker: bool = False,
+    before_commit: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``state`` (the same structure ``save`` was given), resharding.
 
     Tensors are loaded in place: DTensors (ours or torch's) receive the shard their current layout asks for,
     whatever mesh the checkpoint was saved on; plain tensors receive the full value. Non-tensor values are
-    replaced in ``state``'s containers (and ``state`` is returned). Before reading any data, every key, global
-    shape and dtype is checked against the checkpoint's metadata (missing keys, keys the checkpoint has under
-    the same top-level entries but ``state`` lacks, mismatches): one ``ValueError`` names the first offending
-    keys and nothing is modified. ``strict=False`` loads the keys present on both sides. Directories without
-    the completion marker are refused (``require_marker=False`` reads DCP directories written by other tools).
+    replaced in ``state``'s containers (and ``state`` is returned).
+
+    All or nothing: every key, global shape and dtype is checked against the checkpoint's metadata and every
+    file's size against its index first (one ``ValueError`` names the first offending keys; a
+    ``CheckpointCorruptError`` names a truncated file). Then everything is read into new tensors, each entry
+    verified against its checksum, and only when every rank has read everything are the values copied into
+    ``state``. Any failure raises an ``Exception`` naming the file (and entry) with ``state`` untouched.
+    ``before_commit(loaded)``, if given, sees the loaded state (same structure, new tensors) before that copy
+    and may raise to abort it (it must decide alike on every rank).
+
+    Saved bfloat16/float16 values load into float32/float64 tensors (and float32 into float64): exact
+    widening casts, as torch's DCP does them; narrowing casts are refused. ``strict=False`` loads the keys
+    present on both sides. Directories written by other tools (DCP's ``.metadata``, no marker) are read
+    without checksums; ``require_marker=True`` refuses them.
 
     Example::
 
         state = {"model": get_model_state_dict(model), "step": 0}
-        load(state, "ckpts/step3"); set_model_state_dict(model, state["model"])  # (already in place)
+        load(state, "ckpts/step3")          # the model's parameters now hold the checkpoint's values
     """
     path = os.path.abspath(os.fspath(path))
     check_checkpoint_dir(path, require_marker=require_marker)
@@ -297,13 +480,24 @@ def load(
         raise TypeError(f"load: state must be a dict (e.g. {{'model': ...}}), got {type(state).__name__}")
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
+    check_files(path, metadata)
     converted = _to_dcp(state)
-    _validate(converted, metadata, path, strict)
-    dcp.load(
-        converted,
-        storage_reader=reader,
-        planner=SafeLoadPlanner(allow_partial_load=True),  # strictness was checked above
-        no_dist=not _dist(),
-    )
-    _merge_back(state, converted)
+    dtypes = _validate(converted, metadata, path, strict)
+    flat, fresh, shadow = _shadow(converted, dtypes)
+    try:
+        dcp.load(
+            shadow,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(allow_partial_load=True),  # strictness was checked above
+            no_dist=not _dist(),
+        )
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise _read_error(e, path) from (e if isinstance(e, Exception) else None)
+    # dcp.load returns on a rank only once every rank's reads succeeded (it gathers their outcomes).
+    if before_commit is not None:
+        before_commit(shadow)
+    _commit(flat, fresh, dtypes)
+    _merge_back(state, shadow)  # non-tensor values; the caller's tensors stay (they were copied into)
     return state

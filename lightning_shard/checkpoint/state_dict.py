@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor as TorchDTensor
 
 from lightning_shard.checkpoint._interop import from_torch
-from lightning_shard.checkpoint._validate import Problems, describe
+from lightning_shard.checkpoint._validate import Problems, castable, describe
 from lightning_shard.tensor import DTensor
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "set_model_state_dict",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
+    "check_optimizer_state_dict",
 ]
 
 _STATE, _PG, _PARAMS = "state", "param_groups", "params"
@@ -93,8 +94,11 @@ def _check_tensor(problems: Problems, key: str, value: Any, target: torch.Tensor
     if not isinstance(value, torch.Tensor):
         problems.mismatch(key, describe(target.shape, target.dtype), f"a {type(value).__name__}")
         return False
-    if _global_shape(value) != _global_shape(target) or value.dtype != target.dtype:
+    if _global_shape(value) != _global_shape(target):
         problems.mismatch(key, describe(target.shape, target.dtype), describe(value.shape, value.dtype))
+        return False
+    if not castable(value.dtype, target.dtype):
+        problems.dtype(key, target.dtype, value.dtype)
         return False
     value = _as_ours(value)
     if isinstance(value, DTensor) and isinstance(target, DTensor) and value.device_mesh != target.device_mesh:
@@ -294,24 +298,61 @@ def get_optimizer_state_dict(
     return {_STATE: state, _PG: param_groups}
 
 
-def set_optimizer_state_dict(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    optim_state_dict: Mapping[str, Any],
-    *,
-    strict: bool = True,
-) -> None:
-    """Load an FQN-keyed optimizer state (sharded or full form) into ``optimizer``, all-or-nothing.
+def _by_fqn(model: nn.Module, optimizer: torch.optim.Optimizer, osd: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``osd`` keyed by FQN: torch's ``optimizer.state_dict()`` numbers parameters in param-group order
+    (Lightning's DDP checkpoints hold that form); map those numbers to this optimizer's parameters, in order."""
+    saved_groups = list(osd[_PG])
+    if not any(isinstance(i, int) for g in saved_groups for i in g.get(_PARAMS, [])):
+        return osd
+    groups = _optim_fqns(model, optimizer)
+    saved_sizes = [len(g.get(_PARAMS, [])) for g in saved_groups]
+    sizes = [len(names) for names in groups]
+    if saved_sizes != sizes:
+        raise ValueError(
+            "set_optimizer_state_dict: the optimizer state is keyed by parameter index (torch's "
+            "optimizer.state_dict(), e.g. from Lightning's DDP strategy), so parameters are matched by their order "
+            f"in the param groups; the state's groups hold {saved_sizes} parameters, the optimizer's {sizes}. "
+            "Build the optimizer over the same parameters in the same order (e.g. the same configure_optimizers)."
+        )
+    fqn_of = {i: name for g, names in zip(saved_groups, groups) for i, name in zip(g[_PARAMS], names)}
+    unknown = [i for i in osd[_STATE] if i not in fqn_of]
+    if unknown:
+        raise ValueError(f"set_optimizer_state_dict: state for parameter indices {unknown[:5]} not in any group")
+    return {
+        _STATE: {fqn_of[i]: st for i, st in osd[_STATE].items()},
+        _PG: [{**g, _PARAMS: list(names)} for g, names in zip(saved_groups, groups)],
+    }
 
-    The param groups must list the same parameters (by FQN, any order within a group) as the optimizer's;
-    their hyperparameters (lr, betas, weight_decay, ...) are taken from the state dict. Every state tensor is
-    checked against the optimizer's own (created first if the optimizer is fresh): same keys, global shapes
-    and dtypes. Only then are values copied in place (full tensors cut to the parameter's shard).
 
-    Example::
+def _check_groups(problems: Problems, saved_groups: list, groups: list[list[str]]) -> None:
+    if len(saved_groups) != len(groups):
+        problems.add(f"{len(saved_groups)} param groups in the state dict, {len(groups)} in the optimizer")
+        return
+    for i, (saved, names) in enumerate(zip(saved_groups, groups)):
+        saved_names = [str(n) for n in saved.get(_PARAMS, [])]
+        if sorted(saved_names) != sorted(names):
+            extra = sorted(set(saved_names) - set(names))[:3]
+            lacking = sorted(set(names) - set(saved_names))[:3]
+            problems.add(f"param group {i} lists other parameters (unexpected {extra}, missing {lacking})")
 
-        set_optimizer_state_dict(model, optim, osd)
+
+def check_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any]):
+    """Raise unless ``optim_state_dict``'s param groups list the optimizer's parameters (by FQN, per group).
+
+    The one check of :func:`set_optimizer_state_dict` that ``load`` cannot do from shapes and dtypes alone.
+
+    Example: ``load(state, path, before_commit=lambda s: check_param_groups(model, optim, s["optimizer"]))``.
     """
+    problems = Problems("set_optimizer_state_dict")
+    if not isinstance(optim_state_dict, Mapping) or _PG not in optim_state_dict:
+        raise ValueError("set_optimizer_state_dict: the optimizer state has no 'param_groups'")
+    optim_state_dict = _by_fqn(model, optimizer, optim_state_dict)
+    _check_groups(problems, list(optim_state_dict[_PG]), _optim_fqns(model, optimizer))
+    problems.raise_if_any(n_expected=0)
+
+
+def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state_dict: Any, strict: bool):
+    """Check ``optim_state_dict`` against ``optimizer`` (raises, nothing copied); return what the copy needs."""
     problems = Problems("set_optimizer_state_dict")
     if not isinstance(optim_state_dict, Mapping) or _STATE not in optim_state_dict or _PG not in optim_state_dict:
         raise ValueError(
@@ -320,18 +361,11 @@ def set_optimizer_state_dict(
             f"{list(optim_state_dict)[:5] if isinstance(optim_state_dict, Mapping) else '-'}"
         )
     _init_optim_state(optimizer)
+    optim_state_dict = _by_fqn(model, optimizer, optim_state_dict)
     groups = _optim_fqns(model, optimizer)
     _, by_name = _param_fqns(model)
     saved_groups = list(optim_state_dict[_PG])
-    if len(saved_groups) != len(groups):
-        problems.add(f"{len(saved_groups)} param groups in the state dict, {len(groups)} in the optimizer")
-    else:
-        for i, (saved, names) in enumerate(zip(saved_groups, groups)):
-            saved_names = [str(n) for n in saved.get(_PARAMS, [])]
-            if sorted(saved_names) != sorted(names):
-                extra = sorted(set(saved_names) - set(names))[:3]
-                lacking = sorted(set(names) - set(saved_names))[:3]
-                problems.add(f"param group {i} lists other parameters (unexpected {extra}, missing {lacking})")
+    _check_groups(problems, saved_groups, groups)
     param_of = {name: by_name[name] for names in groups for name in names}
     saved_state = optim_state_dict[_STATE]
     expected_keys = 0
@@ -356,7 +390,46 @@ def set_optimizer_state_dict(
     if strict:
         problems.unexpected(f"state.{fqn}" for fqn in saved_state if fqn not in param_of)
     problems.raise_if_any(n_expected=expected_keys, n_matched=matched)
+    return saved_state, param_of, saved_groups, groups
 
+
+def check_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any], *, strict: bool = True
+) -> None:
+    """Raise the error :func:`set_optimizer_state_dict` would raise, without copying anything.
+
+    Lets a caller that loads a model and an optimizer together check both before touching either.
+
+    Example::
+
+        check_optimizer_state_dict(model, optim, osd); set_model_state_dict(model, msd)
+        set_optimizer_state_dict(model, optim, osd)
+    """
+    _plan_optimizer(model, optimizer, optim_state_dict, strict)
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    optim_state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+) -> None:
+    """Load an FQN-keyed optimizer state (sharded or full form) into ``optimizer``, all-or-nothing.
+
+    The param groups must list the same parameters (by FQN, any order within a group) as the optimizer's;
+    their hyperparameters (lr, betas, weight_decay, ...) are taken from the state dict. Every state tensor is
+    checked against the optimizer's own (created first if the optimizer is fresh): same keys, global shapes
+    and dtypes (bfloat16/float16 values load into float32 ones exactly; narrowing is refused). Only then are
+    values copied in place (full tensors cut to the parameter's shard). torch's index-keyed form
+    (``optimizer.state_dict()``, as in Lightning DDP checkpoints) is accepted too: indices are matched to
+    this optimizer's parameters in param-group order.
+
+    Example::
+
+        set_optimizer_state_dict(model, optim, osd)
+    """
+    saved_state, param_of, saved_groups, groups = _plan_optimizer(model, optimizer, optim_state_dict, strict)
     with torch.no_grad():
         for fqn, p in param_of.items():
             saved = saved_state.get(fqn)

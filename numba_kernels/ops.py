@@ -31,6 +31,11 @@ from ._casts import DTYPE_CODES
 from .layout import GroupLayout
 
 _IMPLS = ("auto", "cpu", "cuda", "reference")
+
+# torch.compile must not trace into the kernels: they read raw pointers through numpy views, which dynamo
+# cannot follow ("Expected np.nditer base"). Each op is one opaque eager call in a compiled region (a graph
+# break), as torch's FSDP2 keeps its hooks out of graphs by default (torch._dynamo.config.skip_fsdp_hooks).
+_opaque = torch.compiler.disable
 _TYPESTR = {4: "<f4", 2: "<u2"}
 
 
@@ -190,6 +195,7 @@ def _divisor(op: str, name: str, value: float | None) -> float | None:
 # --------------------------------------------------------------------------- public ops
 
 
+@_opaque
 def all_gather_copy_in(
     layout: GroupLayout,
     sharded: torch.Tensor | Sequence[torch.Tensor],
@@ -244,6 +250,7 @@ def all_gather_copy_in(
     _launch(impl, layout, device, table, src, src_base, dst, dst_base, None, False, S)
 
 
+@_opaque
 def all_gather_copy_out(
     layout: GroupLayout,
     gathered: torch.Tensor,
@@ -291,6 +298,7 @@ def all_gather_copy_out(
     _launch(impl, layout, device, table, src, src_base, dst, dst_base, None, False, ws * S)
 
 
+@_opaque
 def reduce_scatter_copy_in(
     layout: GroupLayout,
     grads: torch.Tensor | Sequence[torch.Tensor | None],
@@ -339,6 +347,7 @@ def reduce_scatter_copy_in(
     _launch(impl, layout, device, table, src, src_base, dst, dst_base, predivide, False, ws * S)
 
 
+@_opaque
 def post_reduce(
     layout: GroupLayout,
     reduced: torch.Tensor,

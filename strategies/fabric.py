@@ -76,7 +76,8 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
 
     Args:
         data_parallel_size, tensor_parallel_size, fsdp_unit, tp_plan, reshard_after_forward, cpu_offload,
-        state_dict_type, sharding_strategy, activation_checkpointing_policy, process_group_backend, timeout:
+        state_dict_type, sharding_strategy, activation_checkpointing_policy, compile_fsdp_units,
+        process_group_backend, timeout:
             as for ``ShardFSDPTPStrategy`` (docs/strategy.md). ``tensor_parallel_size="auto"`` needs the model,
             which Fabric creates after the mesh: it means 1 here (with a message).
         state_dict_type: ``"sharded"`` (a DCP directory plus ``meta.pt``) or ``"full"`` (one file) for
@@ -98,6 +99,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharding_strategy: str = "FULL_SHARD",
         activation_checkpointing_policy: set[type] | None = None,
+        compile_fsdp_units: bool | dict = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator=None,
@@ -116,6 +118,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             state_dict_type=state_dict_type,
             sharding_strategy=sharding_strategy,
             activation_checkpointing_policy=activation_checkpointing_policy,
+            compile_fsdp_units=compile_fsdp_units,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )

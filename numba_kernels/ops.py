@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,10 +33,22 @@ from .layout import GroupLayout
 
 _IMPLS = ("auto", "cpu", "cuda", "reference")
 
-# torch.compile must not trace into the kernels: they read raw pointers through numpy views, which dynamo
-# cannot follow ("Expected np.nditer base"). Each op is one opaque eager call in a compiled region (a graph
-# break), as torch's FSDP2 keeps its hooks out of graphs by default (torch._dynamo.config.skip_fsdp_hooks).
-_opaque = torch.compiler.disable
+
+def _opaque(fn):
+    """torch.compile must not trace into the kernels: they read raw pointers through numpy views, which dynamo
+    cannot follow ("Expected np.nditer base"). Under compilation each op is one opaque eager call (a graph
+    break); in eager code the op is called directly, without the ~7 us of a ``torch.compiler.disable`` call."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return op
+
+
 _TYPESTR = {4: "<f4", 2: "<u2"}
 
 

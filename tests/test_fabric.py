@@ -198,3 +198,8 @@ def _tmpdir() -> str:
     import tempfile
 
     return _broadcast(tempfile.mkdtemp() if dist.get_rank() == 0 else None)
+
+
+def test_unsupported_precision_is_refused_with_the_supported_list():
+    with pytest.raises(ValueError, match="precision='64-true' is not supported"):
+        L.Fabric(accelerator="cpu", devices=1, strategy="shard_fsdp_tp", precision="64-true")

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,23 @@ from ._casts import DTYPE_CODES
 from .layout import GroupLayout
 
 _IMPLS = ("auto", "cpu", "cuda", "reference")
+
+
+def _opaque(fn):
+    """torch.compile must not trace into the kernels: they read raw pointers through numpy views, which dynamo
+    cannot follow ("Expected np.nditer base"). Under compilation each op is one opaque eager call (a graph
+    break); in eager code the op is called directly, without the ~7 us of a ``torch.compiler.disable`` call."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return op
+
+
 _TYPESTR = {4: "<f4", 2: "<u2"}
 
 
@@ -190,6 +208,7 @@ def _divisor(op: str, name: str, value: float | None) -> float | None:
 # --------------------------------------------------------------------------- public ops
 
 
+@_opaque
 def all_gather_copy_in(
     layout: GroupLayout,
     sharded: torch.Tensor | Sequence[torch.Tensor],
@@ -244,6 +263,7 @@ def all_gather_copy_in(
     _launch(impl, layout, device, table, src, src_base, dst, dst_base, None, False, S)
 
 
+@_opaque
 def all_gather_copy_out(
     layout: GroupLayout,
     gathered: torch.Tensor,
@@ -291,6 +311,7 @@ def all_gather_copy_out(
     _launch(impl, layout, device, table, src, src_base, dst, dst_base, None, False, ws * S)
 
 
+@_opaque
 def reduce_scatter_copy_in(
     layout: GroupLayout,
     grads: torch.Tensor | Sequence[torch.Tensor | None],
@@ -339,6 +360,7 @@ def reduce_scatter_copy_in(
     _launch(impl, layout, device, table, src, src_base, dst, dst_base, predivide, False, ws * S)
 
 
+@_opaque
 def post_reduce(
     layout: GroupLayout,
     reduced: torch.Tensor,

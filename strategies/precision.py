@@ -4,14 +4,19 @@
 precision      master weights              compute / gradient reduction
 =============  ==========================  ==============================================================
 "32-true"      fp32                        fp32 / fp32
-"bf16-mixed"   fp32                        bf16 (FSDP casts the gathered params and the inputs) / fp32
-"16-mixed"     fp32                        fp16 / fp32, loss scaled by a sharded gradient scaler
+"bf16-mixed"   fp32                        bf16 under autocast (FSDP casts the gathered params) / fp32
+"16-mixed"     fp32                        fp16 under autocast / fp32, loss scaled by a sharded gradient scaler
 "bf16-true"    bf16                        bf16 / fp32
 "16-true"      fp16                        fp16 / fp32
 =============  ==========================  ==============================================================
 
-Unlike Lightning's ``MixedPrecision`` plugin no autocast is used: FSDP's casts give bf16 compute with fp32
-master weights, as torch's FSDP2 recipes do.
+"-mixed" means what it means in Lightning: the step runs under ``torch.autocast(device, dtype)``, so the ops
+autocast keeps in fp32 (losses everywhere; on CUDA also softmax, log_softmax, layer_norm, ...) compute in fp32.
+FSDP still all-gathers the parameters in the low dtype (half the communication and memory of fp32); autocast
+then finds them already in that dtype for matmuls and upcasts them for its fp32 ops. This is torch's FSDP2
+``MixedPrecisionPolicy(param_dtype=bf16)`` plus autocast, what Lightning's ``ModelParallelStrategy`` gives with
+``precision="bf16-mixed"``. Ops outside autocast's lists (embedding, add, gelu, ...) follow their inputs' dtype:
+bf16 here, fp32 under DDP's autocast, whose weights stay fp32 (docs/strategy.md gives the measured difference).
 
 Example: ``Trainer(strategy="shard_fsdp_tp", precision="bf16-mixed")``.
 """
@@ -40,6 +45,7 @@ _POLICIES = {
     "16-true": MixedPrecisionPolicy(reduce_dtype=torch.float32),
 }
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -73,11 +79,18 @@ class ShardPrecision(Precision):
         if precision not in _POLICIES:
             raise ValueError(f"shard_fsdp_tp: precision={precision!r} is not supported; use one of {sorted(_POLICIES)}")
         self.precision = precision
+        self.device = torch.device(device).type  # autocast takes the device type
         self.scaler = ShardedGradScaler(device) if precision == "16-mixed" else None
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         return _POLICIES[self.precision]
+
+    def forward_context(self):
+        """``torch.autocast(device, dtype)`` for the "-mixed" precisions (around every step, as Lightning's
+        ``MixedPrecision`` does), nothing otherwise."""
+        dtype = _AUTOCAST_DTYPES.get(self.precision)
+        return torch.autocast(self.device, dtype=dtype) if dtype is not None else nullcontext()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         dtype = _TRUE_DTYPES.get(self.precision)

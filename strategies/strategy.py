@@ -56,6 +56,7 @@ from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
 from strategies import parallelize
+from strategies.compile import compile_fsdp_units
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -88,6 +89,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         activation_checkpointing_policy: module classes whose forward is recomputed in backward.
         planner_batch, planner_seq_len: micro-batch and sequence length the planner sizes activations for
             when ``tensor_parallel_size="auto"``.
+        compile_fsdp_units: ``torch.compile`` each FSDP unit's forward after sharding (``True``, or a dict of
+            ``torch.compile`` arguments); see ``strategies.compile``.
         process_group_backend, timeout, start_method: process-group and launcher settings.
 
     Example: ``ShardFSDPTPStrategy(tensor_parallel_size=2, state_dict_type="full")``.
@@ -111,6 +114,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         planner_batch: int = 1,
         planner_seq_len: int = 2048,
+        compile_fsdp_units: bool | dict = False,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -151,6 +155,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._start_method = start_method
         self.planner_batch = planner_batch
         self.planner_seq_len = planner_seq_len
+        if not isinstance(compile_fsdp_units, (bool, dict)):
+            raise TypeError(
+                f"ShardFSDPTPStrategy: compile_fsdp_units={compile_fsdp_units!r} must be a bool or a dict of "
+                "torch.compile arguments"
+            )
+        self.compile_fsdp_units = compile_fsdp_units
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
         self.parallel_summary: dict = {}
@@ -377,6 +387,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             if buffer.device != self.root_device and not buffer.is_meta:
                 buffer.data = buffer.data.to(self.root_device)
         parallelize.check_no_drift(model)
+        if self.compile_fsdp_units:
+            options = self.compile_fsdp_units if isinstance(self.compile_fsdp_units, dict) else None
+            summary["compiled_units"] = compile_fsdp_units(model, options)
         self.parallel_summary = summary
         units = summary["fsdp_units"]
         plan = summary["tp_plan"]

@@ -62,9 +62,13 @@ class FSDPState:
         self.root: FSDPState | None = None
         self.summoned = False  # inside summon_full_params: hooks off, the module runs as a plain module
         self.last_reducing_group: FSDPParamGroup | None = None  # root only: the reduce-scatter in flight
+        # Under torch.compile the hooks run eagerly, as torch's FSDP2 runs its own by default
+        # (torch._dynamo.config.skip_fsdp_hooks): they all-gather, free and swap parameters, which no graph holds.
+        # A compiled model breaks its graph at each FSDP unit's boundary; a unit's forward itself compiles.
+        pre_forward, post_forward = _eager_under_compile(self._pre_forward), _eager_under_compile(self._post_forward)
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward, prepend=False)
+            module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(post_forward, prepend=False)
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
@@ -218,6 +222,19 @@ class FSDPState:
                     group.reshard()
             state.training_state = TrainingState.IDLE
             state.post_backward_done = False
+
+
+def _eager_under_compile(hook):
+    """``hook`` run eagerly (opaque) when torch.compile traces it, called directly otherwise (a disabled
+    function costs a few microseconds per call even in eager code)."""
+    disabled = torch.compiler.disable(hook)
+
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    return run
 
 
 def _prefetch_targets(

@@ -1,0 +1,506 @@
+"""``Fabric(strategy="shard_fsdp_tp")``: the Trainer strategy's engine behind Lightning Fabric's strategy API.
+
+The mesh, the parallelization (TP plan, FSDP units, meta-device materialization, drift check), the option
+validation and the precision table are the Trainer strategy's own code: this strategy holds a
+``ShardFSDPTPStrategy`` configured with the same options (``self.engine``) and calls it. What is Fabric's
+own is the API around it: ``setup_module`` / ``setup_module_and_optimizers`` / ``setup_optimizer``,
+``module_init_context``, ``no_backward_sync``, gradient clipping, and ``save_checkpoint`` /
+``load_checkpoint`` with Fabric's state dicts (user-chosen keys) in the Trainer's two formats.
+
+Example::
+
+    import strategies  # registers "shard_fsdp_tp" for the Trainer and for Fabric
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp", precision="bf16-mixed")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MyModel()                      # on meta, materialized shard by shard in setup
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": 10})
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _Stateful
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load,
+    save,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from lightning_shard.fsdp import FSDPModule
+from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tensor import DTensor
+from lightning_shard.tensor.ops import load_rules
+from numba_kernels import warm_kernels
+from strategies import loading, parallelize
+from strategies.fabric_precision import ShardFabricPrecision
+from strategies.strategy import META_FILE, ShardFSDPTPStrategy, _top_level_entries
+
+# A checkpoint written by the Trainer strategy keeps the model under this key and optimizer i under
+# "optimizer_{i}" (sharded) or "optimizer_states"[i] (full); Fabric maps them onto the user's keys on load.
+_TRAINER_MODEL_KEY = "state_dict"
+
+
+class ShardFSDPTPFabricStrategy(ParallelStrategy):
+    """FSDP x TP for Lightning Fabric on the ``lightning_shard`` engine; the options are the Trainer strategy's.
+
+    Args:
+        data_parallel_size, tensor_parallel_size, fsdp_unit, tp_plan, reshard_after_forward, cpu_offload,
+        state_dict_type, sharding_strategy, activation_checkpointing_policy, compile_fsdp_units,
+        process_group_backend, timeout:
+            as for ``ShardFSDPTPStrategy`` (docs/strategy.md). ``tensor_parallel_size="auto"`` needs the model,
+            which Fabric creates after the mesh: it means 1 here (with a message).
+        state_dict_type: ``"sharded"`` (a DCP directory plus ``meta.pt``) or ``"full"`` (one file) for
+            ``fabric.save``.
+
+    Example: ``Fabric(devices=4, strategy=ShardFSDPTPFabricStrategy(tensor_parallel_size=2))``.
+    """
+
+    strategy_name = "shard_fsdp_tp"
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int | Literal["auto"] = 1,
+        fsdp_unit: str | set[type] | Callable[[nn.Module], bool] = "auto",
+        tp_plan: str | dict | None = "auto",
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool = False,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        sharding_strategy: str = "FULL_SHARD",
+        activation_checkpointing_policy: set[type] | None = None,
+        compile_fsdp_units: bool | dict = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        precision=None,
+    ) -> None:
+        # The Trainer strategy validates the options and later builds the mesh and parallelizes the model.
+        self.engine = ShardFSDPTPStrategy(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            fsdp_unit=fsdp_unit,
+            tp_plan=tp_plan,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            state_dict_type=state_dict_type,
+            sharding_strategy=sharding_strategy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            compile_fsdp_units=compile_fsdp_units,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self.state_dict_type = state_dict_type
+        self._num_nodes = 1
+        self._backward_sync_control = _ShardBackwardSyncControl()
+
+    # ------------------------------------------------------------------ registry / properties
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="FSDP x TP on the lightning_shard engine")
+
+    @property
+    def precision(self) -> ShardFabricPrecision:
+        return self._precision if self._precision is not None else ShardFabricPrecision("32-true", self._device())
+
+    @precision.setter
+    def precision(self, plugin) -> None:
+        # Fabric's connector hands us its generic plugin for the precision string; keep the string, use ours
+        # (so "bf16-mixed" means the same as in the Trainer strategy, and unsupported strings raise).
+        if plugin is not None and not isinstance(plugin, ShardFabricPrecision):
+            plugin = ShardFabricPrecision(getattr(plugin, "precision", "32-true"), self._device())
+        self._precision = plugin
+
+    def _device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(data_parallel, tensor_parallel)`` mesh (after ``fabric.launch()``)."""
+        return self.engine.device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is split over the data-parallel ranks only; the ranks of one TP group see the same batches."""
+        return self.engine.distributed_sampler_kwargs
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self.engine.process_group_backend
+
+    # ------------------------------------------------------------------ processes and mesh
+    def _configure_launcher(self) -> None:
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        engine = self.engine
+        engine.cluster_environment = self.cluster_environment
+        engine.parallel_devices = self.parallel_devices
+        engine.num_nodes = self.num_nodes
+        engine._precision_plugin = self.precision  # mp_policy, convert_module, precision: the same table
+        engine._process_group_backend = engine._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        _init_dist_connection(self.cluster_environment, engine._process_group_backend, timeout=engine._timeout)
+        if engine._tensor_parallel_size == "auto":
+            rank_zero_info(
+                "shard_fsdp_tp (Fabric): tensor_parallel_size='auto' needs the model before the mesh; using 1"
+            )
+            engine._tensor_parallel_size = 1
+        engine._device_mesh = engine._build_mesh()
+        # The engine's one-time loads before the model exists, as in the Trainer strategy (docs/strategy.md).
+        warm_kernels(self.root_device)
+        load_rules()
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model and optimizers
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True``: build on meta, materialized shard by shard in ``setup_module``; otherwise on the
+        root device. Both in the precision's dtype (``"bf16-true"``: bf16)."""
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta") if empty_init else self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # parameters are placed by fully_shard, buffers in setup_module
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """TP, FSDP per unit and on the root, meta materialization, drift check (the Trainer strategy's code)."""
+        if getattr(module, "_shard_fsdp_tp_done", False):
+            return module
+        if parallelize.is_parallelized(module):
+            rank_zero_info("shard_fsdp_tp: the model is already parallelized; left as it is")
+            parallelize.materialize(module, self.root_device)
+        else:
+            self.engine._parallelize(module)
+        module._shard_fsdp_tp_done = True
+        return module
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler=None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        """Shard the module, then point the optimizers (created on the unsharded module, no state yet) at the
+        sharded parameters of the same names."""
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        for optimizer in optimizers:
+            _check_remappable(optimizer, names)
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return module, optimizers, scheduler
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        plain = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if not isinstance(p, DTensor)]
+        if plain:
+            raise ValueError(
+                f"shard_fsdp_tp (Fabric): the optimizer holds {len(plain)} parameters that are not sharded (shapes "
+                f"{plain[:3]}); it would update copies the model no longer uses. Create the optimizer after "
+                "`model = fabric.setup_module(model)`, or pass both to `fabric.setup(model, optimizer)`"
+            )
+        return optimizer
+
+    # ------------------------------------------------------------------ gradients
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """One global norm over every shard (``lightning_shard.utils.clip_grad_norm_``); returns it."""
+        from lightning_shard.utils import clip_grad_norm_
+
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return clip_grad_norm_(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clamp every gradient element; each rank clamps its shards (no communication needed)."""
+        self.precision.unscale_gradients(optimizer)
+        self.precision.trainer_plugin.clip_grad_by_value(optimizer, clip_val)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"):
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self.engine.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        path,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Sharded: a DCP directory (modules and optimizers under their keys, every other entry in ``meta.pt``),
+        published atomically. Full: one file, written by rank 0 to a temporary name and renamed. Both are the
+        Trainer strategy's formats; ``lightning_shard.checkpoint.consolidate`` reads the directory."""
+        if storage_options is not None:
+            raise TypeError("shard_fsdp_tp (Fabric): save_checkpoint(storage_options=...) is not supported")
+        full = self.state_dict_type == "full"
+        if filter is not None and not full:
+            raise NotImplementedError(
+                "shard_fsdp_tp (Fabric): filtered sharded checkpoints cannot be loaded back strictly; use "
+                "state_dict_type='full' to save with a filter"
+            )
+        path = Path(self.broadcast(str(path)))
+        module_key, module = _the_module(state, "save")
+        tensors: dict[str, Any] = {}
+        metadata: dict[str, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, nn.Module):
+                converted, target = get_model_state_dict(obj, full_state_dict=full, cpu_offload=full), tensors
+            elif isinstance(obj, Optimizer):
+                converted = get_optimizer_state_dict(module, obj, full_state_dict=full, cpu_offload=full)
+                target = tensors
+            else:
+                converted, target = (obj.state_dict() if isinstance(obj, _Stateful) else obj), metadata
+            _apply_filter(key, filter or {}, converted, target)
+        if full:
+            if self.global_rank == 0:
+                _write_file_atomically({**tensors, **metadata}, path)
+        else:
+            if path.is_file():
+                raise ValueError(f"shard_fsdp_tp (Fabric): {path} is a file; a sharded checkpoint is a directory")
+            meta = io.BytesIO()
+            torch.save(metadata, meta)
+            save(tensors, path, extra_files={META_FILE: meta.getvalue()})
+        self.barrier()
+
+    def load_checkpoint(
+        self,
+        path,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from a sharded directory or a full file (Fabric's or the Trainer
+        strategy's), whatever mesh it was saved on; returns the entries not requested in ``state``."""
+        path = Path(self.broadcast(str(path)))
+        if not path.exists():
+            raise FileNotFoundError(f"shard_fsdp_tp (Fabric): no checkpoint at {path}")
+        if not state:
+            # Everything, as plain tensors (a sharded directory is consolidated tensor by tensor).
+            if loading.is_sharded_checkpoint(path):
+                return loading.load_sharded_as_full(path)
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+        if isinstance(state, nn.Module):
+            if path.is_dir():
+                raise ValueError(
+                    f"shard_fsdp_tp (Fabric): load_raw needs a file with a model state dict; {path} is a directory. "
+                    "Use fabric.load(path, {'model': model})"
+                )
+            set_model_state_dict(state, torch.load(path, map_location="cpu", weights_only=True), strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            raise ValueError(
+                "shard_fsdp_tp (Fabric): an optimizer alone cannot be loaded; pass {'model': model, 'optimizer': opt}"
+            )
+        module_key, module = _the_module(state, "load")
+        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        if path.is_dir():
+            remainder = self._load_sharded(path, state, module_key, module, optimizers, strict, weights_only)
+        else:
+            remainder = self._load_full(path, state, module_key, module, optimizers, strict, weights_only)
+        requested = state.keys() - {module_key} - optimizers.keys()
+        _validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
+        for key in requested:
+            if key in remainder:
+                obj = state[key]
+                value = remainder.pop(key)
+                if isinstance(obj, _Stateful):
+                    obj.load_state_dict(value)
+                else:
+                    state[key] = value
+        return remainder
+
+    def _load_sharded(self, path, state, module_key, module, optimizers, strict, weights_only) -> dict[str, Any]:
+        saved = _top_level_entries(path)
+        model_src = _source_key(module_key, saved, [_TRAINER_MODEL_KEY])
+        to_load = {model_src: get_model_state_dict(module)}
+        optim_src = {}
+        for i, (key, optimizer) in enumerate(optimizers.items()):
+            src = _source_key(key, saved, [f"optimizer_{i}"], required=strict)
+            if src is not None:
+                optim_src[key] = src
+                to_load[src] = get_optimizer_state_dict(module, optimizer)
+        load(to_load, path, strict=strict)
+        for key, src in optim_src.items():
+            set_optimizer_state_dict(module, optimizers[key], to_load[src])
+        meta_file = path / META_FILE
+        meta = torch.load(meta_file, map_location="cpu", weights_only=weights_only) if meta_file.is_file() else {}
+        return meta
+
+    def _load_full(self, path, state, module_key, module, optimizers, strict, weights_only) -> dict[str, Any]:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+        model_src = _source_key(module_key, checkpoint.keys(), [_TRAINER_MODEL_KEY])
+        set_model_state_dict(module, checkpoint.pop(model_src), strict=strict)
+        trainer_list = checkpoint.pop("optimizer_states", None) if model_src == _TRAINER_MODEL_KEY else None
+        for i, (key, optimizer) in enumerate(optimizers.items()):
+            if key in checkpoint:
+                optim_state = checkpoint.pop(key)
+            elif trainer_list is not None and i < len(trainer_list):
+                optim_state = trainer_list[i]
+            elif strict:
+                raise KeyError(
+                    f"shard_fsdp_tp (Fabric): the checkpoint {path} has no optimizer state for {key!r}; "
+                    "load with strict=False to skip it"
+                )
+            else:
+                continue
+            set_optimizer_state_dict(module, optimizer, optim_state)
+        return checkpoint
+
+    def teardown(self) -> None:
+        self.cluster_environment.teardown()
+        self.precision.teardown()
+        self.accelerator.teardown()
+
+
+class _ShardBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: no reduce-scatter in backward; gradients accumulate unsharded locally
+    and are reduced, with the accumulated sum, by the first backward outside the context."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return _NoSync(module) if enabled else nullcontext()
+
+
+class _NoSync(AbstractContextManager):
+    def __init__(self, module: nn.Module) -> None:
+        self.fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+    def __enter__(self) -> None:
+        for m in self.fsdp_modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def _the_module(state: dict[str, Any], what: str) -> tuple[str, nn.Module]:
+    """The one sharded module in a Fabric state dict (its optimizer states are keyed by its parameter names)."""
+    modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module) and parallelize.is_parallelized(v)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"shard_fsdp_tp (Fabric): {what} needs exactly one model set up by Fabric in the state, found "
+            f"{[k for k, _ in modules]}; pass it as {{'model': model, ...}} (one model per checkpoint)"
+        )
+    return modules[0]
+
+
+def _source_key(key: str, saved, fallbacks: list[str], required: bool = True) -> str | None:
+    """The checkpoint entry for the user's ``key``: the key itself, else the Trainer strategy's name for it."""
+    if key in saved:
+        return key
+    for fallback in fallbacks:
+        if fallback in saved:
+            return fallback
+    if required:
+        raise KeyError(
+            f"shard_fsdp_tp (Fabric): the checkpoint has no entry {key!r} (nor {fallbacks}); its entries are "
+            f"{sorted(saved)}"
+        )
+    return None
+
+
+def _check_remappable(optimizer: Optimizer, names: dict[int, str]) -> None:
+    if optimizer.state:
+        raise ValueError(
+            "shard_fsdp_tp (Fabric): the optimizer already has state; set up the model and optimizer before the "
+            "first step (the state would belong to the unsharded parameters)"
+        )
+    unknown = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+    if unknown:
+        raise ValueError(
+            f"shard_fsdp_tp (Fabric): the optimizer holds {len(unknown)} parameters that are not the model's "
+            f"(shapes {unknown[:3]}); create it from model.parameters()"
+        )
+
+
+def _write_file_atomically(obj: dict[str, Any], path: Path) -> None:
+    if path.is_dir():
+        raise IsADirectoryError(f"shard_fsdp_tp (Fabric): {path} is a directory; a full checkpoint is one file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

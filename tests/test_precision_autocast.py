@@ -1,0 +1,109 @@
+"""precision="bf16-mixed" means Lightning's autocast: the loss is fp32 and matches DDP's bf16-mixed.
+
+The reference is what DDP's bf16-mixed computes on one rank: the fp32 model under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` on the same local batch.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies  # noqa: F401  (registers "shard_fsdp_tp")
+from tests.fsdp_models import DIM, SEQ, VOCAB, Block
+from tests.harness import distributed
+
+CLASSES, N = 10, 32
+TOLERANCE = 2e-3  # relative, first-step loss
+
+
+class Classifier(nn.Module):
+    """Two blocks, mean pooling, a linear head: the loss is computed by the user on the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def _model() -> Classifier:
+    torch.manual_seed(0)
+    return Classifier()
+
+
+def _data() -> TensorDataset:
+    """Labels mostly the fp32 model's own predictions (a model part-way through training: loss ~2, not ~ln 10)."""
+    x = torch.randint(0, VOCAB, (N, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y = _model()(x).argmax(-1)
+    y[::4] = (y[::4] + 1) % CLASSES
+    return TensorDataset(x, y)
+
+
+def _ddp_bf16_mixed_loss(x, y) -> float:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return F.cross_entropy(_model()(x), y).item()
+
+
+class LitClassifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _model()
+        self.first = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        if self.first is None:
+            self.first = (x, y, loss.dtype, loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=N // dist.get_world_size())
+
+
+def _check_first_loss(x, y, dtype, loss) -> None:
+    assert dtype == torch.float32  # autocast computes losses in fp32
+    reference = _ddp_bf16_mixed_loss(x, y)
+    assert abs(loss - reference) / reference < TOLERANCE, (loss, reference)
+
+
+@distributed(world_size=2)
+def test_trainer_bf16_mixed_first_loss_matches_ddp_autocast():
+    from tests.test_strategy import _trainer
+
+    module = LitClassifier()
+    trainer = _trainer(max_steps=1, precision="bf16-mixed")
+    trainer.fit(module)
+    assert all(p.dtype == torch.float32 for p in module.parameters())  # fp32 master weights stay
+    _check_first_loss(*module.first)
+
+
+@distributed(world_size=2)
+def test_fabric_bf16_mixed_first_loss_matches_ddp_autocast():
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp", precision="bf16-mixed")
+    fabric.launch()
+    model = fabric.setup_module(_model())
+    autocast_seen = []
+    model.module.head.register_forward_pre_hook(lambda m, a: autocast_seen.append(torch.is_autocast_enabled("cpu")))
+    x, y = _data().tensors
+    x, y = x.chunk(2)[dist.get_rank()], y.chunk(2)[dist.get_rank()]
+    loss = F.cross_entropy(model(x), y)  # the usual Fabric loop: the model's output comes back in fp32
+    assert autocast_seen == [True]
+    _check_first_loss(x, y, loss.dtype, loss.item())
+    fabric.backward(loss)

@@ -216,7 +216,10 @@ def _shard_with_io_layouts(style, module: nn.Module, device_mesh: DeviceMesh) ->
         return tuple(rep(a) for a in args), {k: rep(v) for k, v in kwargs.items()}
 
     def prepare_output(mod, out, mesh):
-        out = _redistribute(out, style.output_layouts[0])
+        layout = style.output_layouts[0]
+        if style.use_local_output and layout.is_shard() and not out.placements[0].is_shard():
+            _check_even_output(mod, out, layout, mesh)
+        out = _redistribute(out, layout)
         return _local(out) if style.use_local_output else out
 
     if isinstance(module, nn.Embedding) and style.input_layouts[0].is_replicate():
@@ -228,6 +231,21 @@ def _shard_with_io_layouts(style, module: nn.Module, device_mesh: DeviceMesh) ->
         module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
         prepare_output,
     )  # fmt: skip
+
+
+def _check_even_output(module: nn.Module, out: DTensor, layout: Shard, mesh: DeviceMesh) -> None:
+    """A local output sharded on ``layout.dim`` is re-wrapped downstream as an even shard: refuse an uneven
+    one (e.g. a sequence length not divisible by the TP size under sequence parallelism) before the
+    collective, on every rank (all ranks see the same global shape)."""
+    dim = layout.dim % out.ndim
+    size, tp = out.shape[dim], mesh.size()
+    if size % tp:
+        what = "sequence length" if dim == out.ndim - 2 else f"size of dim {dim}"
+        raise ValueError(
+            f"{_type_name(module)} output of shape {tuple(out.shape)} is sharded on dim {dim} (sequence parallel) "
+            f"but its {what} {size} is not divisible by the tensor-parallel size {tp}; pad the batch to a multiple "
+            f"of {tp} (e.g. pad_to_multiple_of={tp} in a Hugging Face tokenizer) or turn sequence_parallel off"
+        )
 
 
 class RowwiseParallel(ParallelStyle):

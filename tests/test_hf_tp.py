@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_shard import init_device_mesh
-from lightning_shard.tensor import DTensor, Shard
+from lightning_shard.tensor import DTensor, Shard, fallback_counts, reset_fallback_counts
 from lightning_shard.tp import auto_tp_plan, parallelize_module
 from tests import hf_models
 from tests.harness import distributed
@@ -85,7 +85,9 @@ def _check_family(family, tp_mesh, dp_mesh=None):
         for block in _blocks(model):
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    reset_fallback_counts()
     losses = _train(model, batches)
+    assert fallback_counts() == {}, (family, fallback_counts())  # every op had a sharding rule
     _assert_same(model, ref, losses, ref_losses, family)
 
 
@@ -100,7 +102,7 @@ def test_auto_plan_tp2_matches_single_process(family):
 def test_auto_plan_fsdp2_x_tp2_matches_single_process():
     root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     # Every data-parallel rank sees the same batches, so the averaged gradients equal one process's.
-    for family in ("llama", "gpt2", "opt", "bert", "t5"):
+    for family in ("llama", "qwen2", "gpt2", "opt", "bert", "t5"):
         _check_family(family, root["tensor_parallel"], root["data_parallel"])
 
 

@@ -7,6 +7,7 @@ cancel out."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -125,3 +126,35 @@ def test_llama_collectives_equal_torch_parallelize_module():
         assert sum(ours.values()) == debug.get_total_counts(), (sp, dict(ours), theirs)
         if not sp:
             assert ours["all_reduce"] == theirs.get("all_reduce", 0), (dict(ours), theirs)
+
+
+def _hf(family, n_layers):
+    """A tiny Hugging Face model with its first ``n_layers`` blocks (the same weights for 1 and 2 blocks)."""
+    from tests import hf_models
+
+    model = hf_models.build(family)
+    blocks = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer"}[family]
+    parent, name = blocks.rsplit(".", 1)
+    layers = model.get_submodule(blocks)
+    setattr(model.get_submodule(parent), name, torch.nn.ModuleList(list(layers)[:n_layers]))
+    return model
+
+
+@distributed(world_size=2)
+def test_megatron_collectives_per_block_hugging_face():
+    pytest.importorskip("transformers")
+    from tests import hf_models
+
+    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    expected = {"llama": {"all_reduce": 4}, "bert": {"all_reduce": 4}, "gpt2": {"all_reduce": 4, "all_gather": 2}}
+    for family, want in expected.items():
+        calls = []
+        for n in (2, 1):
+            model = _hf(family, n)
+            parallelize_module(model, tp_mesh, auto_tp_plan(model, tp_mesh))
+            with comm.count_collectives() as counts:
+                hf_models.lm_loss(model, hf_models.token_batch()).backward()
+            calls.append(counts.calls)
+        two, one = calls
+        per_block = {k: two[k] - one[k] for k in set(two) | set(one) if two[k] != one[k]}
+        assert per_block == want, (family, per_block)

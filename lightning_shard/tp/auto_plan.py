@@ -1,6 +1,7 @@
 """``auto_tp_plan``: find a tensor-parallel plan from a model's structure, names and shapes.
 
-No list of model classes: the plan comes from what the modules look like.
+No list of model classes: the plan comes from what the modules look like. "Linear" below means ``nn.Linear``
+or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by name and shape.
 
 * Attention: a module whose direct ``nn.Linear`` children include q/k/v projections (``q_proj``/``wq``/
   ``query``/``q`` ..., same for k and v) or one fused qkv projection (``qkv``/``c_attn``/``Wqkv``/
@@ -12,11 +13,19 @@ No list of model classes: the plan comes from what the modules look like.
   stays). Fused qkv: ``ColwiseParallel(output_layouts=Replicate())`` (a plain column shard of a fused
   projection would hand a rank parts of q, k and v) and ``RowwiseParallel(input_layouts=Replicate())`` on
   the output; the attention math between them runs replicated, so no attribute changes.
+  The output projection may also be the only Linear of a sibling module (BERT's ``attention.output.dense``
+  next to ``attention.self``). A per-head table (an ``nn.Embedding`` child whose width is the head count: T5's
+  ``relative_attention_bias``, rows = buckets, columns = heads) is column-parallel, split like the heads.
+* One input redistribution per attention and per MLP module (Megatron's ``f``): the module holding q/k/v
+  and an MLP module holding only its Linears get ``PrepareModuleInput`` on their first input, positional or
+  keyword (``hidden_states=``), so the column-parallel projections share one DTensor input and their input
+  gradients are reduced once: 2 all-reduces per block and pass without sequence parallel.
 * ``nn.MultiheadAttention`` is left replicated: its projection is a bare ``in_proj_weight`` parameter
   consumed inside ``F.multi_head_attention_forward``, which no Linear style can shard.
 * MLP: a direct ``nn.Linear`` child ``down`` (d_h -> d) and one or more siblings ``up`` (d -> d_h), e.g.
   fc1/fc2, up/gate/down, linear1/linear2 (named, or d_h != d): ``ColwiseParallel`` on each up,
-  ``RowwiseParallel`` on down; d_h must divide by the TP size.
+  ``RowwiseParallel`` on down; d_h must divide by the TP size. In a block with an attention, an up and a
+  down that are the only Linears of sibling modules also count (BERT's ``intermediate``/``output``).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
   what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``).
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose

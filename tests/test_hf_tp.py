@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_shard import init_device_mesh
-from lightning_shard.tensor import DTensor, Shard, fallback_counts, reset_fallback_counts
+from lightning_shard.tensor import DTensor, Replicate, Shard, fallback_counts, reset_fallback_counts
 from lightning_shard.tp import auto_tp_plan, parallelize_module
 from tests import hf_models
 from tests.harness import distributed
@@ -143,3 +143,19 @@ def test_hf_plans_recognise_conv1d_sibling_modules_and_per_head_tables():
     assert ("model.layers.0.self_attn", 4096 + 2048 + 2048 + 4096, "heads 4, kv heads 2 not divisible by tp 8") in (
         cov.replicated
     ), cov.replicated
+
+
+def test_sequence_parallel_off_for_encoder_decoder():
+    # T5's encoder output reaches the decoder's cross-attention: sequence-sharded there, it would be taken as
+    # the whole sequence (a wrong loss, no error), so the plan turns sequence parallel off and says why.
+    _, plan, summary = _summary_sp("t5")
+    assert (
+        summary[0] == "sequence_parallel: off (blocks in 2 stacks (decoder.block, encoder.block): an encoder-decoder)"
+    )
+    assert plan["shared"].output_layouts == (Replicate(),)
+
+
+def _summary_sp(family):
+    model = hf_models.build(family)
+    plan, summary = auto_tp_plan(model, 2, sequence_parallel=True, return_summary=True)
+    return model, plan, summary

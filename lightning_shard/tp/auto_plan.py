@@ -367,6 +367,10 @@ def auto_tp_plan(
             why = f"nn.MultiheadAttention at {mha[0]} needs a replicated input"
         elif not blocks:
             why = "no repeated blocks (nn.ModuleList of attention/MLP blocks) found"
+        elif len(stacks := sorted({b.rsplit(".", 1)[0] for b in blocks})) > 1:
+            # An encoder's last norm would hand its sequence shard to the decoder's cross-attention, whose
+            # k/v projections take a plain tensor as replicated: wrong results, no error.
+            why = f"blocks in {len(stacks)} stacks ({', '.join(stacks)}): an encoder-decoder"
         else:
             for b in blocks:
                 a = [x for x in attns.values() if x.fqn.startswith(b + ".")]

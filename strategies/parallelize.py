@@ -84,16 +84,31 @@ def apply_parallelism(
     cpu_offload: bool,
     fsdp_mesh: DeviceMesh,
     activation_checkpointing_policy: set[type] | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> dict:
-    """TP (if the TP dim is larger than 1), activation checkpointing, FSDP; returns a summary dict."""
-    summary: dict = {"tp_plan": None, "fsdp_units": []}
+    """TP (if the TP dim is larger than 1), activation checkpointing, FSDP; returns a summary dict.
+
+    The summary's TP entries: ``tp_plan`` (the plan applied), ``tp_summary`` (``auto_tp_plan``'s lines, empty
+    for a user's plan) and ``tp_coverage`` (a ``lightning_shard.tp.coverage.TPCoverage``: the fraction of
+    weight-matrix elements the plan shards and the modules it leaves replicated, with the reason).
+    """
+    summary: dict = {"tp_plan": None, "tp_summary": [], "tp_coverage": None, "fsdp_units": []}
     tp_size = mesh.size("tensor_parallel")
     if tp_size > 1 and tp_plan is not None:
         from lightning_shard.tp import auto_tp_plan, parallelize_module
+        from lightning_shard.tp.coverage import tp_coverage
 
-        plan = auto_tp_plan(model, mesh["tensor_parallel"]) if tp_plan == "auto" else tp_plan
-        parallelize_module(model, mesh["tensor_parallel"], plan)
-        summary["tp_plan"] = plan
+        tp_mesh = mesh["tensor_parallel"]
+        if tp_plan == "auto":
+            plan, lines = auto_tp_plan(
+                model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, return_summary=True
+            )
+        else:
+            plan, lines = tp_plan, []
+        summary["tp_coverage"] = tp_coverage(model, plan, lines)  # before the parameters become DTensors
+        parallelize_module(model, tp_mesh, plan)
+        summary["tp_plan"], summary["tp_summary"] = plan, lines
     if activation_checkpointing_policy:
         _apply_activation_checkpointing(model, activation_checkpointing_policy)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()

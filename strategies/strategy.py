@@ -38,7 +38,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
@@ -54,6 +54,7 @@ from lightning_shard.checkpoint import (
 from lightning_shard.checkpoint.state_dict import check_param_groups
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor.ops import load_rules
+from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from numba_kernels import warm_kernels
 from strategies import parallelize
 from strategies.compile import compile_fsdp_units
@@ -80,6 +81,16 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             Both sizes also accept their digits as a string (``"2"``), as command lines pass them.
         fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
+        sequence_parallel: with ``tp_plan="auto"``, shard the activations between blocks on the sequence dim
+            (norms and residuals on ``T / tp`` tokens; each block's all-reduces become all-gather +
+            reduce-scatter pairs). Off by default: model code between the blocks must then handle
+            sequence shards (Hugging Face models build masks and positions from the embedding's shape).
+            A sequence length not divisible by the TP size raises. Ignored where the plan cannot apply it
+            (the startup summary says why).
+        loss_parallel: with ``tp_plan="auto"``, the LM head returns vocabulary-sharded DTensor logits and
+            ``training_step`` and ``backward`` run inside ``lightning_shard.tp.loss_parallel()``, so
+            ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())`` never gathers the logits. The loss is
+            a replicated DTensor; the strategy hands Lightning its local value (log ``loss.full_tensor()``).
         reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
             k-way shard for a backward all-gather over k neighbouring ranks (int k; see ``fully_shard``).
             ``sharding_strategy`` names without resharding override it.
@@ -104,6 +115,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         tensor_parallel_size: int | Literal["auto"] = 1,
         fsdp_unit: str | set[type] | Callable[[nn.Module], bool] = "auto",
         tp_plan: str | dict | None = "auto",
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
@@ -144,6 +157,16 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._tensor_parallel_size = tensor_parallel_size
         self.fsdp_unit = fsdp_unit
         self.tp_plan = tp_plan
+        for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if not isinstance(value, bool):
+                raise TypeError(f"shard_fsdp_tp: {name}={value!r} must be True or False")
+            if value and tp_plan != "auto":
+                raise ValueError(
+                    f"shard_fsdp_tp: {name}=True applies to tp_plan='auto'; with tp_plan={type(tp_plan).__name__} "
+                    "write the sequence-parallel or loss-parallel layouts into your plan instead"
+                )
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
         self.sharding_strategy = sharding_strategy
         hybrid, reshard, _ = _SHARDING[sharding_strategy]
         self.reshard_after_forward = reshard_after_forward if reshard else False
@@ -376,6 +399,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self.device_mesh,
             fsdp_unit=self.fsdp_unit,
             tp_plan=self.tp_plan,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self.precision_plugin.mp_policy,
             cpu_offload=self.cpu_offload,
@@ -394,16 +419,41 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         units = summary["fsdp_units"]
         plan = summary["tp_plan"]
         mesh = dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))
+        coverage = summary.get("tp_coverage")
+        tp_text = f"{len(plan) if plan else 0} entries" + (f"; {coverage.describe()}" if coverage else "")
         rank_zero_info(
             f"shard_fsdp_tp: mesh {mesh}, precision {self.precision_plugin.precision}, FSDP units: "
-            f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {len(plan) if plan else 0} entries"
+            f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {tp_text}"
         )
+        if coverage is not None and coverage.replicated_fraction > REPLICATED_WARN_FRACTION:
+            rank_zero_warn(
+                f"shard_fsdp_tp: tensor parallelism leaves {100 * coverage.replicated_fraction:.1f}% of the "
+                f"weight-matrix elements replicated on every TP rank (more than "
+                f"{100 * REPLICATED_WARN_FRACTION:.0f}%), so TP saves little memory for them. {coverage.describe()}. "
+                "Pass tp_plan= a plan covering these modules, or use tensor_parallel_size=1 (FSDP only)"
+            )
 
     # The LightningModule is the root FSDP module, but Lightning calls training_step, not forward: route each
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
-        with self.precision_plugin.train_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        with self.precision_plugin.train_step_context(), self._loss_parallel_context():
+            out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        return _local_loss(out) if self._loss_parallel_active() else out
+
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # loss_parallel's backward ops (vocab-parallel log-softmax / nll) must run inside the context too.
+        with self._loss_parallel_context():
+            return super().backward(closure_loss, *args, **kwargs)
+
+    def _loss_parallel_active(self) -> bool:
+        return self.loss_parallel and self._device_mesh is not None and self.device_mesh.size("tensor_parallel") > 1
+
+    def _loss_parallel_context(self):
+        if not self._loss_parallel_active():
+            return nullcontext()
+        from lightning_shard.tp import loss_parallel
+
+        return loss_parallel()
 
     def validation_step(self, *args: Any, **kwargs: Any):
         with self.precision_plugin.val_step_context():
@@ -564,6 +614,18 @@ def _read_meta(path: Path) -> dict[str, Any]:
     data = meta_file.read_bytes()
     verify_file(str(path), META_FILE, data, read_marker(str(path)))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _local_loss(out):
+    """``training_step``'s loss under ``loss_parallel``: a replicated DTensor becomes its local value (the
+    same on every TP rank), with gradients flowing back into the DTensor graph."""
+    from lightning_shard.tensor import DTensor
+
+    if isinstance(out, DTensor):
+        return out.to_local()
+    if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
+        return {**out, "loss": out["loss"].to_local()}
+    return out
 
 
 def _top_level_entries(path: Path) -> set[str]:

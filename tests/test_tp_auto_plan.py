@@ -49,10 +49,14 @@ def test_llama_plan_and_summary():
     assert isinstance(head, ColwiseParallel) and head.output_layouts == (Shard(-1),) and not head.use_local_output
     assert plan["layers.1.feed_forward.down_proj"].output_layouts == (Shard(1),)
     assert plan["tok_embeddings"].output_layouts == (Shard(-2),)
-    # Without sequence parallel: no norm styles, no input preparation, replicated outputs.
+    # Without sequence parallel: no norm styles, replicated outputs; the attention and MLP inputs are still
+    # prepared once per module (Replicate -> Replicate), so q/k/v share one input gradient reduction.
     plan, summary = _plan(tp_models.Llama())
     assert not any(isinstance(v, SequenceParallel) for v in plan.values())
-    assert isinstance(plan["layers.0.attention"], DivideAttributes)
+    prep, divide = plan["layers.0.attention"]
+    assert isinstance(prep, PrepareModuleInput) and prep.input_layouts == (Replicate(),)
+    assert prep.desired_input_layouts == (Replicate(),) and isinstance(divide, DivideAttributes)
+    assert isinstance(plan["layers.0.feed_forward"], PrepareModuleInput)
     assert plan["output"].output_layouts == (Replicate(),) and plan["output"].use_local_output
 
 

@@ -10,6 +10,7 @@ Example::
 
 from lightning_shard.tp.api import parallelize_module
 from lightning_shard.tp.auto_plan import auto_tp_plan
+from lightning_shard.tp.coverage import TPCoverage, tp_coverage
 from lightning_shard.tp.loss import loss_parallel
 from lightning_shard.tp.style import (
     ColwiseParallel,
@@ -34,4 +35,6 @@ __all__ = [
     "DivideAttributes",
     "auto_tp_plan",
     "loss_parallel",
+    "tp_coverage",
+    "TPCoverage",
 ]

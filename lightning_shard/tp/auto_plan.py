@@ -1,6 +1,7 @@
 """``auto_tp_plan``: find a tensor-parallel plan from a model's structure, names and shapes.
 
-No list of model classes: the plan comes from what the modules look like.
+No list of model classes: the plan comes from what the modules look like. "Linear" below means ``nn.Linear``
+or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by name and shape.
 
 * Attention: a module whose direct ``nn.Linear`` children include q/k/v projections (``q_proj``/``wq``/
   ``query``/``q`` ..., same for k and v) or one fused qkv projection (``qkv``/``c_attn``/``Wqkv``/
@@ -12,11 +13,19 @@ No list of model classes: the plan comes from what the modules look like.
   stays). Fused qkv: ``ColwiseParallel(output_layouts=Replicate())`` (a plain column shard of a fused
   projection would hand a rank parts of q, k and v) and ``RowwiseParallel(input_layouts=Replicate())`` on
   the output; the attention math between them runs replicated, so no attribute changes.
+  The output projection may also be the only Linear of a sibling module (BERT's ``attention.output.dense``
+  next to ``attention.self``). A per-head table (an ``nn.Embedding`` child whose width is the head count: T5's
+  ``relative_attention_bias``, rows = buckets, columns = heads) is column-parallel, split like the heads.
+* One input redistribution per attention and per MLP module (Megatron's ``f``): the module holding q/k/v
+  and an MLP module holding only its Linears get ``PrepareModuleInput`` on their first input, positional or
+  keyword (``hidden_states=``), so the column-parallel projections share one DTensor input and their input
+  gradients are reduced once: 2 all-reduces per block and pass without sequence parallel.
 * ``nn.MultiheadAttention`` is left replicated: its projection is a bare ``in_proj_weight`` parameter
   consumed inside ``F.multi_head_attention_forward``, which no Linear style can shard.
 * MLP: a direct ``nn.Linear`` child ``down`` (d_h -> d) and one or more siblings ``up`` (d -> d_h), e.g.
   fc1/fc2, up/gate/down, linear1/linear2 (named, or d_h != d): ``ColwiseParallel`` on each up,
-  ``RowwiseParallel`` on down; d_h must divide by the TP size.
+  ``RowwiseParallel`` on down; d_h must divide by the TP size. In a block with an attention, an up and a
+  down that are the only Linears of sibling modules also count (BERT's ``intermediate``/``output``).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
   what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``).
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
@@ -38,12 +47,13 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
-from lightning_shard.tensor import Replicate, Shard
+from lightning_shard.tensor import Placement, Replicate, Shard
 from lightning_shard.tp.style import (
     ColwiseParallel,
     DivideAttributes,
@@ -52,6 +62,8 @@ from lightning_shard.tp.style import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    is_linear,
+    linear_dims,
 )
 
 __all__ = ["auto_tp_plan", "HEAD_ATTRS", "KV_HEAD_ATTRS", "HIDDEN_ATTRS"]
@@ -74,12 +86,13 @@ _DOWN = {"down_proj", "w2", "fc2", "c_proj", "linear2", "dense_4h_to_h", "down",
 
 @dataclass
 class _Attn:
-    fqn: str
-    q: list[str]  # child names: [q, k, v] or [fused]
-    o: str
+    fqn: str  # the module holding the q/k/v (or fused) projections: its input is prepared once
+    q: list[str]  # absolute FQNs: [q, k, v] or [fused]
+    o: str  # absolute FQN of the output projection (a child, or a Linear in a sibling module as in BERT)
     heads: int | None = None
     kv_heads: int | None = None
     divide: list[str] = field(default_factory=list)
+    head_tables: list[str] = field(default_factory=list)  # per-head embeddings (T5's relative_attention_bias)
     sharded: bool = False
     reason: str = ""
 
@@ -87,8 +100,8 @@ class _Attn:
 @dataclass
 class _Mlp:
     fqn: str
-    ups: list[str]
-    down: str
+    ups: list[str]  # absolute FQNs
+    down: str  # absolute FQN
     hidden: int
     whole_module: bool  # the module's Linear children are exactly the MLP (so its input can be prepared)
     sharded: bool = False
@@ -98,8 +111,8 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _linear_children(m: nn.Module) -> dict[str, nn.Linear]:
-    return {n: c for n, c in m.named_children() if isinstance(c, nn.Linear)}
+def _linear_children(m: nn.Module) -> dict[str, nn.Module]:
+    return {n: c for n, c in m.named_children() if is_linear(c)}
 
 
 def _int_attr(m: nn.Module, names) -> tuple[str, int] | None:
@@ -110,22 +123,43 @@ def _int_attr(m: nn.Module, names) -> tuple[str, int] | None:
     return None
 
 
-def _find_attention(fqn: str, m: nn.Module, tp: int) -> _Attn | None:
+def _sibling_output(fqn: str, modules: dict[str, nn.Module], width: int) -> str | None:
+    """BERT-style attention: the output projection lives in a sibling module (``attention.output.dense``
+    next to ``attention.self``). The sibling's only Linear must be named like an output projection and take
+    the attention width as input."""
+    if not fqn:
+        return None
+    parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+    for name, sib in modules[parent].named_children():
+        sib_fqn = _join(parent, name)
+        if sib_fqn == fqn:
+            continue
+        lin = _linear_children(sib)
+        if len(lin) == 1:
+            ((n, c),) = lin.items()
+            if n in _O and linear_dims(c)[0] == width:
+                return _join(sib_fqn, n)
+    return None
+
+
+def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Module]) -> _Attn | None:
     lin = _linear_children(m)
-    names = set(lin)
     o = next((n for n in lin if n in _O), None)
     fused = next((n for n in lin if n in _FUSED), None)
     q, k, v = (next((n for n in lin if n in s), None) for s in (_Q, _K, _V))
-    if o is None or not (fused or (q and k and v)):
+    if not (fused or (q and k and v)):
+        return None
+    width = linear_dims(lin[q] if q and k and v else lin[fused])[1]
+    o_fqn = _join(fqn, o) if o is not None else _sibling_output(fqn, modules, width if q else width // 3)
+    if o_fqn is None:
         return None
     if fused and not (q and k and v):
-        return _Attn(fqn, [fused], o, sharded=True)
-    del names
-    a = _Attn(fqn, [q, k, v], o)
-    q_width = lin[q].out_features
+        return _Attn(fqn, [_join(fqn, fused)], o_fqn, sharded=True)
+    a = _Attn(fqn, [_join(fqn, n) for n in (q, k, v)], o_fqn)
+    q_width = width
     head = _int_attr(m, HEAD_ATTRS)
     if head is None:
-        hd = _int_attr(m, ("head_dim", "head_size", "d_head"))
+        hd = _int_attr(m, ("head_dim", "head_size", "d_head", "attention_head_size", "key_value_proj_dim"))
         if hd is None or q_width % hd[1]:
             a.reason = f"head count unknown (no {'/'.join(HEAD_ATTRS)} attribute), left replicated"
             return a
@@ -138,7 +172,7 @@ def _find_attention(fqn: str, m: nn.Module, tp: int) -> _Attn | None:
         a.kv_heads = kv[1]
         a.divide.append(kv[0])
     else:
-        a.kv_heads = a.heads * lin[k].out_features // q_width
+        a.kv_heads = a.heads * linear_dims(lin[k])[1] // q_width
     if a.heads % tp or a.kv_heads % tp:
         kv_txt = f", kv heads {a.kv_heads}" if a.kv_heads != a.heads else ""
         a.reason = f"heads {a.heads}{kv_txt} not divisible by tp {tp}, left replicated"
@@ -147,25 +181,77 @@ def _find_attention(fqn: str, m: nn.Module, tp: int) -> _Attn | None:
     for n in HIDDEN_ATTRS:
         if getattr(m, n, None) == q_width and not isinstance(getattr(m, n), bool):
             a.divide.append(n)
+    # A per-head table (T5's relative_attention_bias: rows are position buckets, columns are heads) must be
+    # split like the heads: column-parallel, so each rank looks up the bias of its own heads.
+    a.head_tables = [
+        _join(fqn, n) for n, c in m.named_children() if isinstance(c, nn.Embedding) and c.embedding_dim == a.heads
+    ]
     a.sharded = True
     return a
 
 
-def _find_mlp(fqn: str, m: nn.Module, used: set[str]) -> _Mlp | None:
-    lin = {n: c for n, c in _linear_children(m).items() if n not in used}
-    # The down projection contracts (d_h -> d); prefer a conventional name, else any contracting Linear.
-    candidates = [n for n in lin if n in _DOWN] + [n for n, c in lin.items() if c.in_features > c.out_features]
+def _match_mlp(fqn: str, lin: dict[str, nn.Module], whole: bool) -> _Mlp | None:
+    """An up/down pair among ``lin`` (absolute FQN -> Linear): a contracting ``down`` (d_h -> d) and ups of
+    the transposed shape (d -> d_h); a conventional down name first, else any contracting Linear."""
+    last = {f: f.rsplit(".", 1)[-1] for f in lin}
+    dims = {f: linear_dims(c) for f, c in lin.items()}
+    candidates = [f for f in lin if last[f] in _DOWN] + [f for f in lin if dims[f][0] > dims[f][1]]
     for dn in candidates:
-        down = lin[dn]
-        ups = [
-            n
-            for n, u in lin.items()
-            if n != dn and u.out_features == down.in_features and u.in_features == down.out_features
-        ]
+        d_in, d_out = dims[dn]
+        ups = [f for f in lin if f != dn and dims[f] == (d_out, d_in)]
         if ups:
-            whole = set(ups) | {dn} == set(_linear_children(m))
-            return _Mlp(fqn, ups, dn, down.in_features, whole)
+            return _Mlp(fqn, ups, dn, d_in, whole and set(ups) | {dn} == set(lin))
     return None
+
+
+def _find_mlp(fqn: str, m: nn.Module) -> _Mlp | None:
+    mlp = _match_mlp(fqn, {_join(fqn, n): c for n, c in _linear_children(m).items()}, True)
+    if mlp is not None and mlp.whole_module:
+        # Its input can be prepared for the MLP alone only if the module holds nothing else (OPT's decoder
+        # layer holds fc1/fc2 next to the attention and the norms).
+        mine = {
+            id(p) for f in [*mlp.ups, mlp.down] for p in m.get_submodule(f[len(fqn) + 1 if fqn else 0 :]).parameters()
+        }
+        mlp.whole_module = all(id(p) in mine for p in m.parameters())
+    return mlp
+
+
+def _find_sibling_mlp(fqn: str, m: nn.Module, claimed: set[str]) -> _Mlp | None:
+    """BERT-style MLP: the up and down projections live in sibling submodules of a block
+    (``intermediate.dense`` and ``output.dense``); only Linears not claimed by an attention count."""
+    lin = {
+        _join(fqn, c, n): x
+        for c, child in m.named_children()
+        for n, x in _linear_children(child).items()
+        if _join(fqn, c, n) not in claimed
+    }
+    return _match_mlp(fqn, lin, False)
+
+
+def _first_arg(m: nn.Module) -> str | None:
+    """The name of ``m.forward``'s first parameter (HF layers pass ``hidden_states=`` by keyword)."""
+    try:
+        params = list(inspect.signature(m.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    first = params[0] if params else None
+    if first is None or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
+        return None
+    return first.name
+
+
+def _prepare_block_input(m: nn.Module, layout: Placement) -> PrepareModuleInput:
+    """One input redistribution for a whole attention or MLP module (Megatron's ``f``): its first input,
+    positional or by keyword, becomes one DTensor ``layout -> Replicate()`` shared by every column-parallel
+    projection inside, so their input gradients are summed locally and reduced once."""
+    name = _first_arg(m)
+    kw = {name: layout} if name else None
+    return PrepareModuleInput(
+        input_layouts=(layout,),
+        desired_input_layouts=(Replicate(),),
+        input_kwarg_layouts=kw,
+        desired_input_kwarg_layouts={name: Replicate()} if name else None,
+    )
 
 
 def auto_tp_plan(
@@ -206,6 +292,9 @@ def auto_tp_plan(
     def add(fqn: str, style: ParallelStyle) -> None:
         plan.setdefault(fqn, []).append(style)
 
+    def inside(f: str, parents) -> bool:
+        return any(f == p or f.startswith(p + ".") for p in parents)
+
     # ---- find structures
     mha = [f for f, m in modules.items() if isinstance(m, nn.MultiheadAttention)]
     inside_mha = {f for f in modules for a in mha if f.startswith(a + ".")}
@@ -214,31 +303,57 @@ def auto_tp_plan(
     for fqn, m in modules.items():
         if fqn in inside_mha or isinstance(m, nn.MultiheadAttention):
             continue
-        a = _find_attention(fqn, m, tp)
+        a = _find_attention(fqn, m, tp, modules)
         if a is not None:
             attns[fqn] = a
+    claimed = {f for a in attns.values() for f in [*a.q, a.o]}
+    for fqn, m in modules.items():
+        if fqn in inside_mha or fqn in attns or isinstance(m, nn.MultiheadAttention):
             continue
-        mlp = _find_mlp(fqn, m, set())
-        if mlp is not None:
+        mlp = _find_mlp(fqn, m)
+        if mlp is not None and not ({mlp.down, *mlp.ups} & claimed):
             mlps[fqn] = mlp
-    blocks = [
-        _join(f, n)
-        for f, m in modules.items()
-        if isinstance(m, nn.ModuleList)
-        for n, _ in m.named_children()
-        if any(a == _join(f, n) or a.startswith(_join(f, n) + ".") for a in list(attns) + list(mlps) + mha)
+            claimed |= {mlp.down, *mlp.ups}
+
+    def block_list(structures) -> list[str]:
+        return [
+            _join(f, n)
+            for f, m in modules.items()
+            if isinstance(m, nn.ModuleList)
+            for n, _ in m.named_children()
+            if any(inside(x, [_join(f, n)]) for x in structures)
+        ]
+
+    # BERT-style MLPs whose up and down projections sit in sibling modules of an attention block.
+    for b in block_list(list(attns)):
+        if not any(inside(x, [b]) for x in mlps):
+            mlp = _find_sibling_mlp(b, modules[b], claimed)
+            if mlp is not None:
+                mlps[b] = mlp
+                claimed |= {mlp.down, *mlp.ups}
+    blocks = block_list(list(attns) + list(mlps) + mha)
+    # Outermost blocks only (T5 nests a ModuleList of layers inside each block).
+    blocks = [b for b in blocks if not any(b != o and b.startswith(o + ".") for o in blocks)]
+    in_block = {f for f in modules if inside(f, blocks)}
+    embeddings = [
+        f for f, m in modules.items() if isinstance(m, nn.Embedding) and f not in inside_mha and not inside(f, attns)
     ]
-    in_block = {f for f in modules for b in blocks if f == b or f.startswith(b + ".")}
-    embeddings = [f for f, m in modules.items() if isinstance(m, nn.Embedding)]
-    vocab = {modules[e].num_embeddings for e in embeddings}
+    vocab_emb = max(embeddings, key=lambda e: modules[e].num_embeddings, default=None)
     tied = {id(modules[e].weight): e for e in embeddings}
     heads = [
         f
         for f, m in modules.items()
-        if isinstance(m, nn.Linear)
+        if is_linear(m)
         and f not in in_block
         and f not in inside_mha
-        and (id(m.weight) in tied or m.out_features in vocab)
+        and f not in claimed
+        and (
+            id(m.weight) in tied
+            or (
+                vocab_emb is not None
+                and linear_dims(m) == (modules[vocab_emb].embedding_dim, modules[vocab_emb].num_embeddings)
+            )
+        )
     ]
     # MLP hidden sizes must divide.
     for mlp in mlps.values():
@@ -252,6 +367,10 @@ def auto_tp_plan(
             why = f"nn.MultiheadAttention at {mha[0]} needs a replicated input"
         elif not blocks:
             why = "no repeated blocks (nn.ModuleList of attention/MLP blocks) found"
+        elif len(stacks := sorted({b.rsplit(".", 1)[0] for b in blocks})) > 1:
+            # An encoder's last norm would hand its sequence shard to the decoder's cross-attention, whose
+            # k/v projections take a plain tensor as replicated: wrong results, no error.
+            why = f"blocks in {len(stacks)} stacks ({', '.join(stacks)}): an encoder-decoder"
         else:
             for b in blocks:
                 a = [x for x in attns.values() if x.fqn.startswith(b + ".")]
@@ -268,6 +387,7 @@ def auto_tp_plan(
         else:
             lines.append("sequence_parallel: on (sequence dim 1)")
     seq = Shard(1)
+    block_in = seq if sp else Replicate()
 
     # ---- embeddings
     for e in embeddings:
@@ -286,23 +406,23 @@ def auto_tp_plan(
         if not a.sharded:
             lines.append(f"{a.fqn}: {a.reason}")
             continue
-        if sp:
-            add(a.fqn, PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)))
+        add(a.fqn, _prepare_block_input(modules[a.fqn], block_in))
         o_style = RowwiseParallel(output_layouts=seq if sp else None)
         if len(a.q) == 1:
-            fused = modules[_join(a.fqn, a.q[0])]
-            add(_join(a.fqn, a.q[0]), ColwiseParallel(output_layouts=Replicate()))
+            fused = modules[a.q[0]]
+            d_in, d_out = linear_dims(fused)
+            add(a.q[0], ColwiseParallel(output_layouts=Replicate()))
             o_style = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else None)
             lines.append(
-                f"{a.fqn}: attention with fused qkv '{a.q[0]}' ({fused.in_features} -> {fused.out_features}): "
+                f"{a.fqn}: attention with fused qkv '{a.q[0].rsplit('.', 1)[-1]}' ({d_in} -> {d_out}): "
                 "projections sharded, attention math replicated"
             )
             lines.append(
-                f"{_join(a.fqn, a.q[0])}: ColwiseParallel(output_layouts=Replicate()) (fused qkv: output gathered, "
+                f"{a.q[0]}: ColwiseParallel(output_layouts=Replicate()) (fused qkv: output gathered, "
                 "a column shard would mix q, k and v)"
             )
-            add(_join(a.fqn, a.o), o_style)
-            lines.append(f"{_join(a.fqn, a.o)}: RowwiseParallel(input_layouts=Replicate())")
+            add(a.o, o_style)
+            lines.append(f"{a.o}: RowwiseParallel(input_layouts=Replicate())")
             continue
         if a.divide:
             add(a.fqn, DivideAttributes(a.divide))
@@ -310,24 +430,27 @@ def auto_tp_plan(
         adj = f"; divides {', '.join(a.divide)} by {tp}" if a.divide else ""
         lines.append(f"{a.fqn}: attention, heads {a.heads}{kv} split over tp {tp}{adj}")
         for n in a.q:
-            add(_join(a.fqn, n), ColwiseParallel())
-            lines.append(f"{_join(a.fqn, n)}: ColwiseParallel")
-        add(_join(a.fqn, a.o), o_style)
-        lines.append(f"{_join(a.fqn, a.o)}: RowwiseParallel")
+            add(n, ColwiseParallel())
+            lines.append(f"{n}: ColwiseParallel")
+        add(a.o, o_style)
+        lines.append(f"{a.o}: RowwiseParallel")
+        for t in a.head_tables:
+            add(t, ColwiseParallel(input_layouts=Replicate()))
+            lines.append(f"{t}: ColwiseParallel (per-head table, columns split like the heads)")
 
     # ---- MLPs
     for mlp in mlps.values():
         if not mlp.sharded:
             lines.append(f"{mlp.fqn}: MLP hidden size {mlp.hidden} not divisible by tp {tp}, left replicated")
             continue
-        if sp:
-            add(mlp.fqn, PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)))
+        if mlp.whole_module:
+            add(mlp.fqn, _prepare_block_input(modules[mlp.fqn], block_in))
         lines.append(f"{mlp.fqn}: MLP, hidden {mlp.hidden} split over tp {tp}")
         for u in mlp.ups:
-            add(_join(mlp.fqn, u), ColwiseParallel())
-            lines.append(f"{_join(mlp.fqn, u)}: ColwiseParallel")
-        add(_join(mlp.fqn, mlp.down), RowwiseParallel(output_layouts=seq if sp else None))
-        lines.append(f"{_join(mlp.fqn, mlp.down)}: RowwiseParallel")
+            add(u, ColwiseParallel())
+            lines.append(f"{u}: ColwiseParallel")
+        add(mlp.down, RowwiseParallel(output_layouts=seq if sp else None))
+        lines.append(f"{mlp.down}: RowwiseParallel")
 
     # ---- norms (sequence parallel) and the end of the blocks
     if sp:
@@ -345,15 +468,11 @@ def auto_tp_plan(
             add(last, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate()))
             lines.append(f"{last}: output gathered from the sequence dim (no LM head follows)")
 
-    # ---- heads and other top-level Linears
+    # ---- heads and other Linears no rule claimed
     for f, m in modules.items():
-        if (
-            not isinstance(m, nn.Linear)
-            or f in in_block
-            or f in inside_mha
-            or any(f.startswith(x.fqn + ".") for x in list(attns.values()) + list(mlps.values()))
-        ):
+        if not is_linear(m) or f in claimed or f in inside_mha:
             continue
+        d_in, d_out = linear_dims(m)
         if f in heads:
             add(
                 f,
@@ -369,11 +488,16 @@ def auto_tp_plan(
                 else ""
             )
             out = "vocab-sharded DTensor logits for loss_parallel" if loss_parallel else "logits gathered"
-            lines.append(f"{f}: ColwiseParallel (LM head, {m.out_features} classes{tie}; {out})")
+            lines.append(f"{f}: ColwiseParallel (LM head, {d_out} classes{tie}; {out})")
+        elif f in in_block:
+            lines.append(
+                f"{f}: Linear {d_in} -> {d_out} inside a block but not part of a recognised attention or MLP, "
+                "left replicated"
+            )
         else:
             lines.append(
-                f"{f}: Linear {m.in_features} -> {m.out_features} outside the blocks, not an LM head (no embedding "
-                f"has {m.out_features} rows), left replicated"
+                f"{f}: Linear {d_in} -> {d_out} outside the blocks, not an LM head (not tied to the token "
+                f"embedding and not its shape), left replicated"
             )
     final = {k: (v[0] if len(v) == 1 else tuple(v)) for k, v in plan.items()}
     return (final, lines) if return_summary else final

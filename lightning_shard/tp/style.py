@@ -65,6 +65,39 @@ def _type_name(module: nn.Module) -> str:
     return type(module).__name__
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """True for Hugging Face's ``Conv1D`` (GPT-2): a linear layer whose weight is stored transposed,
+    ``(in_features, out_features)``, computing ``x @ weight + bias``. Recognised by name and shape, so
+    ``transformers`` is not imported."""
+    w = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(w, torch.Tensor)
+        and w.ndim == 2
+        and getattr(module, "nf", None) == w.shape[1]
+    )
+
+
+def is_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` or Hugging Face's transposed ``Conv1D``: what Colwise/Rowwise shard besides embeddings."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
+def _check_type(style: str, fqn: str, module: nn.Module) -> None:
+    if not (is_linear(module) or isinstance(module, nn.Embedding)):
+        raise ValueError(
+            f"{style} on '{fqn}': module type {_type_name(module)} is not supported; {style} shards "
+            "nn.Linear, Hugging Face Conv1D and nn.Embedding (plan a parent module's children instead)"
+        )
+
+
 def _check_divisible(style: str, fqn: str, module: nn.Module, what: str, size: int, tp_size: int) -> None:
     if size % tp_size:
         raise ValueError(
@@ -138,19 +171,17 @@ class ColwiseParallel(ParallelStyle):
 
     def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
         name = type(self).__name__
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            raise ValueError(
-                f"{name} on '{fqn}': module type {_type_name(module)} is not supported; {name} shards "
-                "nn.Linear and nn.Embedding (plan a parent module's children instead)"
-            )
+        _check_type(name, fqn, module)
         # A local output sharded on the last dim is re-wrapped by the next module assuming even shards.
         if self.use_local_output and self.output_layouts[0].is_shard():
-            if isinstance(module, nn.Linear):
-                _check_divisible(name, fqn, module, "out_features", module.out_features, tp_size)
-            else:
+            if isinstance(module, nn.Embedding):
                 _check_divisible(name, fqn, module, "embedding_dim", module.embedding_dim, tp_size)
+            else:
+                _check_divisible(name, fqn, module, "out_features", linear_dims(module)[1], tp_size)
 
     def planned_placements(self, module: nn.Module) -> dict[str, tuple[Placement, ...]]:
+        if is_conv1d(module):  # weight (in, out): the output features are its columns
+            return {n: (Shard(1 if n == "weight" else 0),) for n, p in module._parameters.items() if p is not None}
         dim = 0 if isinstance(module, nn.Linear) else 1
         return {n: (Shard(dim),) for n, p in module.named_parameters(recurse=False) if p is not None}
 
@@ -175,14 +206,46 @@ def _shard_with_io_layouts(style, module: nn.Module, device_mesh: DeviceMesh) ->
         x = _to_dtensor(inputs[0], mesh, style.input_layouts[0])
         return (_redistribute(x, desired), *inputs[1:])
 
+    def prepare_ids(mod, args, kwargs):
+        # An embedding's tensor inputs are ids, the same on every rank. An nn.Embedding subclass may compute
+        # its ids from several inputs (OPT's positional embedding: an attention mask and ``position_ids=``
+        # keyword), so every tensor argument becomes a replicated DTensor, not only the first.
+        def rep(x):
+            return _to_dtensor(x, device_mesh, Replicate()) if isinstance(x, torch.Tensor) else x
+
+        return tuple(rep(a) for a in args), {k: rep(v) for k, v in kwargs.items()}
+
     def prepare_output(mod, out, mesh):
-        out = _redistribute(out, style.output_layouts[0])
+        layout = style.output_layouts[0]
+        if style.use_local_output and layout.is_shard() and not out.placements[0].is_shard():
+            _check_even_output(mod, out, layout, mesh)
+        out = _redistribute(out, layout)
         return _local(out) if style.use_local_output else out
 
+    if isinstance(module, nn.Embedding) and style.input_layouts[0].is_replicate():
+        distribute_module(module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src))
+        module.register_forward_pre_hook(prepare_ids, with_kwargs=True)
+        module.register_forward_hook(lambda m, inputs, out: prepare_output(m, out, device_mesh))
+        return module
     return distribute_module(
         module, device_mesh, lambda n, m, mesh: _shard_params(m, placements, mesh, src), prepare_input,
         prepare_output,
     )  # fmt: skip
+
+
+def _check_even_output(module: nn.Module, out: DTensor, layout: Shard, mesh: DeviceMesh) -> None:
+    """A local output sharded on ``layout.dim`` is re-wrapped downstream as an even shard: refuse an uneven
+    one (e.g. a sequence length not divisible by the TP size under sequence parallelism) before the
+    collective, on every rank (all ranks see the same global shape)."""
+    dim = layout.dim % out.ndim
+    size, tp = out.shape[dim], mesh.size()
+    if size % tp:
+        what = "sequence length" if dim == out.ndim - 2 else f"size of dim {dim}"
+        raise ValueError(
+            f"{_type_name(module)} output of shape {tuple(out.shape)} is sharded on dim {dim} (sequence parallel) "
+            f"but its {what} {size} is not divisible by the tensor-parallel size {tp}; pad the batch to a multiple "
+            f"of {tp} (e.g. pad_to_multiple_of={tp} in a Hugging Face tokenizer) or turn sequence_parallel off"
+        )
 
 
 class RowwiseParallel(ParallelStyle):
@@ -207,25 +270,21 @@ class RowwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _check(self, fqn: str, module: nn.Module, tp_size: int) -> None:
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            raise ValueError(
-                f"RowwiseParallel on '{fqn}': module type {_type_name(module)} is not supported; RowwiseParallel "
-                "shards nn.Linear and nn.Embedding (plan a parent module's children instead)"
-            )
+        _check_type("RowwiseParallel", fqn, module)
         # A Linear's sharded input arrives as a local tensor that is re-wrapped assuming even shards.
-        if isinstance(module, nn.Linear) and self.input_layouts[0].is_shard():
-            _check_divisible("RowwiseParallel", fqn, module, "in_features", module.in_features, tp_size)
+        if not isinstance(module, nn.Embedding) and self.input_layouts[0].is_shard():
+            _check_divisible("RowwiseParallel", fqn, module, "in_features", linear_dims(module)[0], tp_size)
 
     def planned_placements(self, module: nn.Module) -> dict[str, tuple[Placement, ...]]:
         if isinstance(module, nn.Embedding):
             return {"weight": (Shard(0),)}
-        out = {"weight": (Shard(1),)}
+        out = {"weight": (Shard(0 if is_conv1d(module) else 1),)}
         if module.bias is not None:
             out["bias"] = (Replicate(),)
         return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.desired_input_layouts = (Shard(-1) if isinstance(module, nn.Linear) else Replicate(),)
+        self.desired_input_layouts = (Replicate() if isinstance(module, nn.Embedding) else Shard(-1),)
         return _shard_with_io_layouts(self, module, device_mesh)
 
     __repr__ = ColwiseParallel.__repr__

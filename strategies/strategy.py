@@ -346,8 +346,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 batch=batch, seq_len=seq_len, cpu_offload=self.cpu_offload,
                 reshard_after_forward=self.reshard_after_forward, example_input=example_input, step=step,
                 activation_checkpointing=self.activation_checkpointing_policy,
-                sequence_parallel=bool(getattr(self, "sequence_parallel", False)),
-                loss_parallel=bool(getattr(self, "loss_parallel", False)), hybrid_shard=hybrid, device=device,
+                sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, hybrid_shard=hybrid,
+                device=device,
             )  # fmt: skip
         except NoFitError:
             raise  # nothing fits: the planner's message says by how much and which knob helps most

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_shard import init_device_mesh
+from lightning_shard.fsdp.units import find_repeated_blocks
 from lightning_shard.tensor import DTensor, Replicate, Shard, fallback_counts, reset_fallback_counts
 from lightning_shard.tp import auto_tp_plan, parallelize_module
 from tests import hf_models
@@ -61,14 +62,6 @@ def _assert_mostly_sharded(model, family):
     assert sharded >= 0.9 * total, (family, sharded / total)
 
 
-def _blocks(model):
-    """The transformer blocks: children of the outermost ``nn.ModuleList``s, innermost-first order irrelevant.
-    (Not ``find_repeated_blocks``: for T5 it picks the two ``T5Stack``s, which share the embedding.)"""
-    lists = [f for f, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
-    outer = [f for f in lists if not any(f != o and f.startswith(o + ".") for o in lists)]
-    return [b for f in outer for b in model.get_submodule(f).children()]
-
-
 def _check_family(family, tp_mesh, dp_mesh=None):
     model = hf_models.build(family)
     ref = copy.deepcopy(model)
@@ -82,7 +75,7 @@ def _check_family(family, tp_mesh, dp_mesh=None):
     if dp_mesh is not None:
         from lightning_shard.fsdp import fully_shard
 
-        for block in _blocks(model):
+        for block in find_repeated_blocks(model):  # the strategy's automatic units (T5: every T5Block)
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     reset_fallback_counts()

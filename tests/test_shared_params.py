@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_shard import init_device_mesh
 from lightning_shard.fsdp import MixedPrecisionPolicy, fully_shard
-from lightning_shard.fsdp.units import split_shared_params
+from lightning_shard.fsdp.units import find_repeated_blocks, split_shared_params
 from lightning_shard.tensor import DTensor
 from strategies.parallelize import apply_parallelism
 from tests.harness import distributed
@@ -116,6 +116,35 @@ def test_split_shared_params_finds_t5_embedding():
     assert split[t5.decoder].pairs == (("decoder.embed_tokens.weight", "shared.weight"),)
     blocks = [m for m in t5.modules() if type(m).__name__ == "T5Block"]
     assert split_shared_params(t5, blocks) == {}  # the blocks share nothing
+
+
+def test_automatic_units_are_hugging_face_layers():
+    # T5: the declared layer class (_no_split_modules) wins over the two larger T5Stack instances, so no unit
+    # holds the embedding the stacks share.
+    t5 = build("t5")
+    assert {type(m).__name__ for m in find_repeated_blocks(t5)} == {"T5Block"}
+    assert len(find_repeated_blocks(t5)) == 4
+
+
+def test_automatic_units_without_declaration_are_the_largest_repeated_class():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    class Block(nn.Module):  # plain attributes of the model, each with a list of small heads
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList([Head(), Head()])
+            self.mlp = nn.Linear(8, 8)
+
+    class TwoBlocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Block(), Block()
+
+    model = TwoBlocks()
+    assert find_repeated_blocks(model) == [model.first, model.second]
 
 
 # ---------------------------------------------------------------------------------------------- engine

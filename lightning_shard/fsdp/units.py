@@ -32,10 +32,10 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """Instances of the repeated block class: among non-leaf, non-container classes with at least two
-    instances, the one with the most parameters per instance (the outer block when blocks nest). Classes whose
-    instances sit in a container (``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict``: the layer lists of
-    transformers) are preferred, so that a model built of two stacks of layers (T5's encoder and decoder are
-    two ``T5Stack`` instances) is wrapped per layer, not per stack.
+    instances, the one with the most parameters per instance (the outer block when blocks nest). A class that
+    a Hugging Face model names in ``_no_split_modules`` (its transformer layer) wins over that size rule, so
+    that a model built of two stacks of layers (T5's encoder and decoder are two ``T5Stack`` instances) is
+    wrapped per layer, not per stack.
 
     Example: ``find_repeated_blocks(llama)`` -> the ``LlamaBlock`` modules, in module order;
     ``find_repeated_blocks(t5)`` -> the ``T5Block`` modules of both stacks.
@@ -47,11 +47,22 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
             continue
         counts[type(m)] += 1
         sizes[type(m)] = sum(p.numel() for p in m.parameters())
-    in_containers = {type(child) for m in model.modules() if isinstance(m, _CONTAINERS) for child in m.children()}
     candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0]
-    listed = [cls for cls in candidates if cls in in_containers]
-    block = max(listed or candidates, key=lambda cls: sizes[cls], default=None)
+    declared = _declared_layer_names(model)
+    named = [cls for cls in candidates if cls.__name__ in declared]
+    block = max(named or candidates, key=lambda cls: sizes[cls], default=None)
     return [m for m in model.modules() if block is not None and type(m) is block and m is not model]
+
+
+def _declared_layer_names(model: nn.Module) -> set[str]:
+    """Class names that Hugging Face models (the root or any sub-module, e.g. the model inside a
+    LightningModule) declare in ``_no_split_modules``: their layers, which must not be split across devices."""
+    names: set[str] = set()
+    for m in model.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set, frozenset)):
+            names.update(n for n in declared if isinstance(n, str))
+    return names
 
 
 def shared_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_shard import comm
 from lightning_shard.mesh import DeviceMesh
@@ -127,7 +128,8 @@ def _group_over(mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple[tuple, dist.Pr
         return tuple(dist.get_process_group_ranks(group)), group
     coord = mesh.get_coordinate()
     index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
-    ranks = tuple(mesh.mesh[index].flatten().tolist())
+    with _disable_current_modes():  # the rank grid is a real tensor, also under the simulator's fake mode
+        ranks = tuple(mesh.mesh[index].flatten().tolist())
     if ranks not in _FLAT_GROUPS:
         if list(ranks) == list(range(dist.get_world_size())):
             _FLAT_GROUPS[ranks] = dist.group.WORLD

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
+from lightning_shard.device import has_data, same_storage
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.param_group import FSDPParamGroup, MeshInfo
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -114,7 +115,7 @@ class FSDPModule:
             torch.__future__.set_swap_module_params_on_conversion(previous)
         group = self._fsdp_state.group
         if group is not None and any(
-            fp.sharded._local_tensor.untyped_storage().data_ptr() != group.shard_flat.untyped_storage().data_ptr()
+            not same_storage(fp.sharded._local_tensor, group.shard_flat)
             or fp.sharded._local_tensor.device != group.shard_flat.device
             for fp in group.params
         ):
@@ -397,5 +398,5 @@ def _gather_full(group: FSDPParamGroup) -> list[torch.Tensor]:
     out = torch.empty((group.layout.world_size, group.layout.shard_numel), dtype=shard.dtype, device=group.device)
     comm.all_gather_into(out.view(-1), shard, group.mesh_info.shard_group)
     full = [torch.empty(fp.shape, dtype=shard.dtype, device=group.device) for fp in group.params]
-    all_gather_copy_out(group.layout, out, full)
+    all_gather_copy_out(group.layout, out, full, impl="auto" if has_data(out) else "reference")
     return full

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_shard import comm
+from lightning_shard.device import has_data
 from lightning_shard.fsdp import buffers
 from numba_kernels import GroupLayout, all_gather_copy_in, all_gather_copy_out, post_reduce, reduce_scatter_copy_in
 
@@ -59,7 +60,7 @@ def start_all_gather(
         inp = shard_flat  # no copy-in at all: the shard buffer is the all-gather input
     else:
         src = shard_flat.to(device, non_blocking=True)  # CPU offload: bring the shard to the device
-        all_gather_copy_in(layout, src, output, rank)  # cast fused into the copy into our slot
+        all_gather_copy_in(layout, src, output, rank, impl=_impl(output))  # cast fused into the copy into our slot
         inp = output[rank]
     work = comm.all_gather_into(output.view(-1), inp, group, async_op=True)
     return CollectiveHandle(work, output, inp, layout)
@@ -68,7 +69,10 @@ def start_all_gather(
 def finish_all_gather(handle: CollectiveHandle, unsharded_flat: torch.Tensor) -> None:
     """Wait for the all-gather and copy the gathered shards into the unsharded flat buffer (one kernel)."""
     gathered = handle.wait()
-    all_gather_copy_out(handle.layout, gathered, unsharded_flat)
+    # Autograd saved views of unsharded_flat in the last forward; refilling it is not a modification it must
+    # see (the numba kernels write raw memory; the reference path needs this, as torch's FSDP2 copy-out does).
+    with torch.autograd._unsafe_preserve_version_counter(unsharded_flat):
+        all_gather_copy_out(handle.layout, gathered, unsharded_flat, impl=_impl(gathered))
 
 
 def start_reduce_scatter(
@@ -87,7 +91,7 @@ def start_reduce_scatter(
     says where either way).
     """
     staged = buffers.empty((layout.world_size, layout.shard_numel), reduce_dtype, device)
-    reduce_scatter_copy_in(layout, grads, staged, predivide=predivide)
+    reduce_scatter_copy_in(layout, grads, staged, predivide=predivide, impl=_impl(staged))
     # On gloo the reduced shard is left in (a view of) the staging buffer: see comm.reduce_scatter_scratch.
     work, reduced = comm.reduce_scatter_scratch(staged.view(-1), group, output, async_op=True)
     return CollectiveHandle(work, reduced, staged)
@@ -110,11 +114,19 @@ def finish_reduce_scatter(
         comm.all_reduce(reduced, replicate_group, "sum")
     if reduced is grad_flat:
         if postdivide is not None:
-            post_reduce(layout, grad_flat, grad_flat, postdivide=postdivide)  # element-wise: safe in place
+            post_reduce(
+                layout, grad_flat, grad_flat, postdivide=postdivide, impl=_impl(grad_flat)
+            )  # element-wise: safe in place
         return
     if reduced.device != grad_flat.device:
         reduced = reduced.to(grad_flat.device)  # CPU offload: gradients live on CPU
-    post_reduce(layout, reduced, grad_flat, postdivide=postdivide, accumulate=accumulate)
+    post_reduce(layout, reduced, grad_flat, postdivide=postdivide, accumulate=accumulate, impl=_impl(grad_flat))
+
+
+def _impl(tensor: torch.Tensor) -> str:
+    """The staging kernels' implementation: numba's for real memory, torch's reference for fake tensors
+    (the simulator), which numba cannot address."""
+    return "auto" if has_data(tensor) else "reference"
 
 
 def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
+from lightning_shard.device import same_storage
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -400,8 +401,12 @@ class FSDPParamGroup:
         """Whether ``grad``'s local tensor is parameter ``i``'s view into ``flat`` (its address and shape),
         checked without making the view."""
         local = grad._local_tensor
-        address = flat.data_ptr() + int(self.layout.shard_offsets[i]) * flat.element_size()
-        return local.data_ptr() == address and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
+        offset = flat.storage_offset() + int(self.layout.shard_offsets[i])
+        return (
+            same_storage(local, flat)
+            and local.storage_offset() == offset
+            and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
+        )
 
 
 def _match_numba_threads_to_torch() -> None:

@@ -243,17 +243,23 @@ def all_gather_list(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torc
 
 def broadcast_object_list(objects: list, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """Pickle-broadcast ``objects`` in place from global rank ``src`` (torch stages them on the group's device).
+    On the simulator's fake backend, which carries no data, every rank keeps its own objects.
 
     Example: ``box = [path]; broadcast_object_list(box)``.
     """
     _record("broadcast_object", torch.empty(0))
-    dist.broadcast_object_list(objects, src=src, group=group)
+    if _carries_data(group):
+        dist.broadcast_object_list(objects, src=src, group=group)
 
 
 def all_gather_object(objects: list, obj: object, group: dist.ProcessGroup | None = None) -> None:
-    """Fill ``objects`` (one slot per rank) with every rank's picklable ``obj``."""
+    """Fill ``objects`` (one slot per rank) with every rank's picklable ``obj`` (on the simulator's fake
+    backend, with this rank's ``obj`` in every slot)."""
     _record("all_gather_object", torch.empty(0))
-    dist.all_gather_object(objects, obj, group=group)
+    if _carries_data(group):
+        dist.all_gather_object(objects, obj, group=group)
+    else:
+        objects[:] = [obj] * len(objects)
 
 
 def barrier(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
@@ -262,6 +268,10 @@ def barrier(group: dist.ProcessGroup | None = None, device: torch.device | None 
         dist.barrier(group=group, device_ids=[device.index])
     else:
         dist.barrier(group=group)
+
+
+def _carries_data(group: dist.ProcessGroup | None) -> bool:
+    return "fake" not in str(dist.get_backend_config(group or dist.group.WORLD))
 
 
 def _supports_avg(group: dist.ProcessGroup) -> bool:

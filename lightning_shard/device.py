@@ -102,6 +102,9 @@ class DeviceHandle:
     def record_event(self, stream: object | None = None) -> object | None:
         return None
 
+    def record_stream(self, tensor: torch.Tensor, stream: object | None) -> None:
+        """Tell the allocator ``stream`` uses ``tensor``, so its memory is not reused before that work ran."""
+
     def wait_event(self, event: object | None) -> None:
         """Block the host until ``event`` happened (before the optimizer reads offloaded gradients)."""
 
@@ -162,6 +165,10 @@ class CudaHandle(DeviceHandle):
 
     def record_event(self, stream=None) -> torch.cuda.Event:
         return (stream or torch.cuda.current_stream()).record_event()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        if stream is not None:
+            tensor.record_stream(stream)
 
     def wait_event(self, event) -> None:
         if event is not None:

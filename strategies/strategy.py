@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -42,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
+from lightning_shard import comm
 from lightning_shard.checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -334,8 +334,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         model = self.precision_plugin.convert_module(model)
         has_meta = any(p.is_meta for p in model.parameters())
         if not has_meta:
-            model.to(self.root_device)
-            parallelize.broadcast_plain_model(model)
+            # Shard first, then move the shards (FSDP1's device_id): fully_shard moves one unit's parameters at a
+            # time, so a model that fits on the host but not on one device is never whole on it. The broadcast
+            # runs on the host over the mesh's groups, which carry host tensors. TP shards plain tensors where
+            # they are, so with TP the model goes to the device first.
+            if self.device_mesh.size("tensor_parallel") > 1:
+                model.to(self.root_device)
+            parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
             self.device_mesh,
@@ -469,16 +474,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        comm.barrier(device=self.root_device)
 
     def broadcast(self, obj, src: int = 0):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        comm.broadcast_object_list(box, src)
         return box[0]
 
     def reduce(self, tensor, group=None, reduce_op="mean"):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
-from lightning_shard.device import same_storage
+from lightning_shard.device import handle_for, same_storage
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -100,8 +100,11 @@ class FSDPParamGroup:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self.pin_memory = self.offload and offload_policy.pin_memory and device.type == "cuda"
         self.device = device
+        self.handle = handle_for(device)
+        # Pinned host shards and gradients make the copies to and from the accelerator asynchronous.
+        self.pin_memory = self.offload and offload_policy.pin_memory and device.type not in ("cpu", "meta")
+        self.grad_offload_event: object | None = None  # CPU offload: the last device-to-host gradient copy
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             names = ", ".join(f"{p.fqn}: {p.dtype}" for p in params)
@@ -138,8 +141,8 @@ class FSDPParamGroup:
         """Copy this rank's rows of every parameter into a new flat shard and register DTensor params."""
         device = originals[0].device if originals[0].device.type == "meta" else self.shard_device
         flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
-        if self.pin_memory:
-            flat = flat.pin_memory()
+        if self.pin_memory and device.type == "cpu":
+            flat = self.handle.pin(flat)
         rank = self.mesh_info.shard_rank
         for i, (fp, orig) in enumerate(zip(self.params, originals)):
             local = self._local_view(flat, i)
@@ -169,11 +172,19 @@ class FSDPParamGroup:
         """
         locals_ = [fp.sharded._local_tensor for fp in self.params]
         device = locals_[0].device
-        self.device = device if not self.offload else self.device
+        if self.offload and device.type != "meta":
+            # CPU offload keeps the shards on the host, wherever _apply put them (to_empty(device="cuda") after
+            # meta init): pinned, as torch's FSDP2 moves and pins them.
+            device = torch.device("cpu")
+        elif not self.offload:
+            self.device = device
+            self.handle = handle_for(device)
         self.orig_dtype = locals_[0].dtype
         self.compute_dtype = self.mp_policy.compute_dtype(self.orig_dtype)
         self.reduce_dtype = self.mp_policy.gradient_dtype(self.orig_dtype)
         flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        if self.pin_memory and device.type == "cpu":
+            flat = self.handle.pin(flat)
         for i, (fp, local) in enumerate(zip(self.params, locals_)):
             view = self._local_view(flat, i)
             view.copy_(local)
@@ -344,10 +355,19 @@ class FSDPParamGroup:
         else:
             grad_flat, accumulate = self._gradient_target()
         _, postdivide = self._divide_factors()
-        collectives.finish_reduce_scatter(
-            self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group
+        event = collectives.finish_reduce_scatter(
+            self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group, self.handle
         )
+        self.grad_offload_event = event or self.grad_offload_event
         self._assign_grads(grad_flat)
+
+    def wait_for_gradients(self) -> None:
+        """End of backward: the compute stream waits for the reduce stream, and the host for the last
+        non-blocking gradient copy to the host (CPU offload), before an optimizer reads the gradients."""
+        self.handle.wait_stream(self.handle.current_stream(), collectives.reduce_stream(self.handle))
+        if self.grad_offload_event is not None:
+            self.handle.wait_event(self.grad_offload_event)
+            self.grad_offload_event = None
 
     def _divide_factors(self) -> tuple[float | None, float | None]:
         return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)
@@ -365,6 +385,8 @@ class FSDPParamGroup:
     def _new_grad_flat(self) -> torch.Tensor:
         # Uninitialised is fine: the reduce (or post-reduce without accumulation) writes every element.
         flat = buffers.empty(self.layout.shard_numel, self.orig_dtype, self.shard_device)
+        if self.pin_memory:
+            flat = self.handle.pin(flat)
         self._grad_flat_ref = weakref.ref(flat)
         return flat
 

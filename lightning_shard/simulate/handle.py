@@ -109,6 +109,10 @@ class RecordingHandle(DeviceHandle):
         self.calls.append(("record_event", event.stream.name))
         return event
 
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream | None) -> None:
+        if stream is not None:
+            self.calls.append(("record_stream", stream.name, tensor.device.type))
+
     def wait_event(self, event: SimEvent | None) -> None:
         if event is not None:
             event.waited = True

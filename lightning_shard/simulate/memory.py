@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["MemoryTracker"]
@@ -60,7 +61,14 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage if it is new (tensors made outside the tracker can be added this way)."""
+        """Count ``t``'s storage if it is new (tensors made outside the tracker can be added this way).
+
+        A wrapper subclass (a DTensor) owns no memory beyond its local tensor, which is what is counted."""
+        if type(t) is not torch.Tensor and not isinstance(t, FakeTensor):
+            local = getattr(t, "_local_tensor", None)
+            if isinstance(local, torch.Tensor):
+                self.track(local)
+            return
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._entries:

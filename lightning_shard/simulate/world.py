@@ -4,7 +4,9 @@ Inside the block: torch's fake process group (``FakeStore`` + the ``"fake"`` bac
 once and move no data), a ``FakeTensorMode`` (tensors have shape, dtype and device but no memory; mixing
 devices in one op raises ``FakeTensorDeviceMismatchError``), the stand-in accelerator ``lazy`` with its
 ``RecordingHandle`` registered, and a ``MemoryTracker``. The default group serves the accelerator only, as
-Lightning's NCCL group does, so a CPU tensor in a collective on it raises in ``lightning_shard.comm``.
+Lightning's NCCL group does, so a CPU tensor in a collective on it raises in ``lightning_shard.comm``, and
+also in ``torch.distributed``'s own collectives, which the simulator guards the same way while it runs
+(NCCL would fail there; torch's fake group would not).
 
 What a fake world cannot do: anything that reads values (``.item()``, ``bool(tensor)``, object collectives
 carry no data), so the engine skips value checks on tensors without data (``device.has_data``).
@@ -70,7 +72,7 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
     handle = RecordingHandle(STAND_IN_DEVICE, device_count=min(devices_per_node, world_size))
     handle.set_device(rank % handle.device_count())
     handle.calls.clear()
-    with register_handle(handle):
+    with register_handle(handle), _guarded_collectives():
         dist.init_process_group(handle.backend, store=FakeStore(), rank=rank, world_size=world_size)
         try:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -80,6 +82,46 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
         finally:
             dist.destroy_process_group()
             _forget_groups()
+
+
+# torch.distributed's tensor collectives; the simulator checks their tensors' devices as NCCL would.
+_GUARDED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all_single",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+)
+
+
+@contextlib.contextmanager
+def _guarded_collectives() -> Iterator[None]:
+    from lightning_shard import comm
+
+    originals = {name: getattr(dist, name) for name in _GUARDED if hasattr(dist, name)}
+
+    def guard(name, fn):
+        def guarded(*args, **kwargs):
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, list) else [a])]
+            group = kwargs.get("group")
+            comm.check_devices(f"torch.distributed.{name}", group, *[t for t in tensors if torch.is_tensor(t)])
+            return fn(*args, **kwargs)
+
+        return guarded
+
+    for name, fn in originals.items():
+        setattr(dist, name, guard(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def _forget_groups() -> None:

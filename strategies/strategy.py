@@ -339,7 +339,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             # runs on the host over the mesh's groups, which carry host tensors. TP shards plain tensors where
             # they are, so with TP the model goes to the device first.
             if self.device_mesh.size("tensor_parallel") > 1:
-                model.to(self.root_device)
+                _move_tensors(model, self.root_device, parameters=True)
             parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
@@ -353,9 +353,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
         parallelize.materialize(model, self.root_device)
-        for buffer in model.buffers():
-            if buffer.device != self.root_device and not buffer.is_meta:
-                buffer.data = buffer.data.to(self.root_device)
+        _move_tensors(model, self.root_device, parameters=False)
         parallelize.check_no_drift(model)
         self.parallel_summary = summary
         units = summary["fsdp_units"]
@@ -497,6 +495,23 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _move_tensors(model: nn.Module, device: torch.device, parameters: bool) -> None:
+    """Put every (non-meta) buffer, and with ``parameters`` every plain parameter, on ``device`` by replacing
+    the module's entry (not ``.data``, which cannot change a tensor's device type under the simulator's fake
+    tensors); a tensor registered on several modules (tied weights) stays shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        entries = [module._buffers] + ([module._parameters] if parameters else [])
+        for table in entries:
+            for name, t in table.items():
+                if t is None or t.is_meta or t.device == device or type(t).__name__ == "DTensor":
+                    continue
+                if id(t) not in moved:
+                    data = t.detach().to(device)
+                    moved[id(t)] = nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                table[name] = moved[id(t)]
 
 
 def _top_level_entries(path: Path) -> set[str]:

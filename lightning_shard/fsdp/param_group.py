@@ -117,6 +117,9 @@ class FSDPParamGroup:
         self.reduce_dtype = mp_policy.gradient_dtype(self.orig_dtype)
         self.layout = GroupLayout([p.shape for p in params], mesh_info.shard_size)
         self.shard_flat = self._shard_originals(originals)
+        # Drop the unsharded originals (copies moved to the device for sharding) before anything else is
+        # allocated, so setup holds at most one unsharded group at a time.
+        originals.clear()
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         self._free_unsharded_storage()
         self._grad_flat_ref: weakref.ref[torch.Tensor] | None = None  # see the grad_flat property
@@ -188,10 +191,17 @@ class FSDPParamGroup:
         for i, (fp, local) in enumerate(zip(self.params, locals_)):
             view = self._local_view(flat, i)
             view.copy_(local)
-            fp.sharded._local_tensor = view
-            fp.sharded._spec = DTensorSpec(
+            spec = DTensorSpec(
                 fp.sharded._spec.mesh, fp.sharded._spec.placements, fp.global_shape, fp.sharded._spec.stride, flat.dtype
             )
+            if fp.sharded.device != view.device:
+                # The shard moved back to the host (CPU offload): the DTensor's own device must say so too, so
+                # its gradient and optimizer state are host tensors. Same parameter object, new contents.
+                new = nn.Parameter(DTensor(view, spec, requires_grad=False), requires_grad=fp.requires_grad)
+                torch.utils.swap_tensors(fp.sharded, new)
+                fp.sharded._fsdp_managed = True
+            fp.sharded._local_tensor = view
+            fp.sharded._spec = spec
         self.shard_flat = flat
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
         self._free_unsharded_storage()

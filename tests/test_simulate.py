@@ -81,3 +81,21 @@ def test_fully_shard_step_as_rank_3_of_8_counts_collectives_and_shards_memory():
     # each rank holds about 1/8 of the parameters (padding to a multiple of 8 rows per parameter)
     assert total / 8 <= after_setup <= total / 8 * 1.5, (after_setup, total)
     assert all(p.device.type == world.device_type for p in model.parameters())
+
+
+def test_cli_reports_memory_and_collectives_and_rejects_bad_requests(tmp_path, capsys):
+    from lightning_shard.simulate.__main__ import main
+
+    out = tmp_path / "report.json"
+    argv = ["benchmarks.sim_models:llama_tiny", "--devices", "8", "--seq-len", "16", "--json", str(out)]
+    assert main(argv) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["collectives_per_step"]["reduce_scatter"] == 3  # two blocks and the root
+    assert report["device_bytes_after_setup"] < report["peak_device_bytes"]
+    assert set(report["peak_by_phase"]) >= {"setup", "forward", "backward", "optimizer"}
+    assert main(["benchmarks.sim_models:llama_tiny", "--devices", "8", "--tensor-parallel-size", "3"]) == 1
+    assert "does not divide --devices 8" in capsys.readouterr().err
+    assert main(["benchmarks.sim_models:nope", "--devices", "8"]) == 1
+    assert "cannot load the factory" in capsys.readouterr().err

@@ -120,7 +120,8 @@ def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Te
     """
     served = served_device_types(group)
     for t in tensors:
-        if t.device.type not in served:
+        # meta tensors carry no data (distributing a meta-initialised model): there is nothing to send
+        if t.device.type not in served and t.device.type != "meta":
             config = dist.get_backend_config(group or dist.group.WORLD)
             raise RuntimeError(
                 f"lightning_shard.comm.{what} at {_call_site()}: a tensor on {t.device} (shape {tuple(t.shape)}) "

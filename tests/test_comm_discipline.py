@@ -96,3 +96,13 @@ def test_check_devices_names_the_call_site(monkeypatch):
             comm.check_devices("all_reduce", group, torch.zeros(2))
     finally:
         comm._SERVED.pop(id(group), None)
+
+
+def test_meta_tensors_pass_the_device_check(monkeypatch):
+    # a meta-initialised model distributed by TP broadcasts meta tensors: no data, nothing to check
+    group = object()
+    monkeypatch.setattr(dist, "get_backend_config", lambda g=None: "cuda:nccl")
+    try:
+        comm.check_devices("broadcast", group, torch.empty(2, device="meta"))
+    finally:
+        comm._SERVED.pop(id(group), None)

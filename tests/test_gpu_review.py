@@ -219,3 +219,14 @@ def test_fp16_scaler_unscale_matches_torch_and_finds_inf():
         assert found == float(bad)
         for p, g in zip(params, grads):
             assert torch.equal(p.grad[torch.isfinite(g)], (g / 1024.0)[torch.isfinite(g)])
+
+
+def test_clipping_offloaded_gradients_on_a_2d_mesh_reduces_over_host_capable_groups():
+    """The flat group clip_grad_norm_ makes for FSDP x TP gradients must carry host tensors too."""
+    with simulated_world(8, rank=5) as world:
+        strategy = sim_strategy(world, tensor_parallel_size=2, cpu_offload=True)
+        model = GPT2()
+        strategy._parallelize(model)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters())
+        _step(model, strategy.root_device, optimizer, lambda o: strategy.precision_plugin.clip_grad_by_norm(o, 1.0))

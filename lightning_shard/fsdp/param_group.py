@@ -84,6 +84,47 @@ class MeshInfo:
         return mesh, (dp, *tp_placements)
 
 
+@dataclass(frozen=True)
+class GradientBufferChoice:
+    """Which buffer a group's reduce writes its gradients into, from four conditions.
+
+    ================  ===========  ==============  ==================  =============================================
+    reduce dtype !=   CPU offload  a ``.grad``     reduced in place    the reduced gradients go
+    param dtype                    already exists  (gloo, >= 4 MiB)
+    ================  ===========  ==============  ==================  =============================================
+    no                no           no              no                  **direct**: the reduce-scatter's output is a
+                                                                       new gradient buffer; only the post-divide is
+                                                                       left, in place
+    yes               any          no              any                 a new gradient buffer, filled (cast) by the
+                                                                       post-reduce from the reduce output
+    any               yes          no              any                 a new pinned host buffer, copied from the
+                                                                       device (``collectives.finish_reduce_scatter``)
+    no                no           no              yes                 a new buffer, filled from the staging buffer
+                                                                       at finish (not alive beside the unsharded
+                                                                       gradients)
+    any               any          yes             any                 the current buffer if a ``.grad`` still views
+                                                                       it, else a new one holding the ``.grad``
+                                                                       values; the post-reduce accumulates
+    ================  ===========  ==============  ==================  =============================================
+
+    Direct saves a shard-sized temporary at the end of each group's backward, where the step's memory peaks
+    (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). The non-direct rows are decided
+    at ``finish_reduce`` (``FSDPParamGroup._gradient_target``).
+
+    Example: ``GradientBufferChoice(casts=False, offloads=False, has_grads=False, reduces_in_place=False).direct``
+    is True.
+    """
+
+    casts: bool
+    offloads: bool
+    has_grads: bool
+    reduces_in_place: bool
+
+    @property
+    def direct(self) -> bool:
+        return not (self.casts or self.offloads or self.has_grads or self.reduces_in_place)
+
+
 class FSDPParamGroup:
     """Flat-buffer sharded storage and the unshard / reshard / reduce steps of one group (module docstring)."""
 
@@ -338,22 +379,15 @@ class FSDPParamGroup:
         )
 
     def _direct_reduce_output(self) -> torch.Tensor | None:
-        """A new sharded gradient buffer, when the reduce-scatter can write the gradients into it directly.
-
-        That needs no cast (reduce dtype = parameter dtype), no CPU offload and no earlier gradient to
-        accumulate into. It saves a shard-sized temporary at the end of each group's backward, where the
-        step's memory peaks (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). Where the
-        reduction stays in the staging buffer instead (gloo from 4 MiB, ``comm.reduce_scatter_scratch``), the
-        post-reduce fills the gradient buffer from there, in the pass that would otherwise divide it in place.
-        """
-        if self.reduce_dtype != self.orig_dtype or self.shard_device != self.device:
-            return None
-        if any(fp.sharded.grad is not None for fp in self.params):
-            return None
+        """A new sharded gradient buffer when ``GradientBufferChoice`` says the reduce-scatter writes into it."""
         staged_bytes = self.layout.world_size * self.layout.shard_numel * self.reduce_dtype.itemsize
-        if comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group):
-            return None  # allocated at finish_reduce instead: not alive beside this group's unsharded gradients
-        return self._new_grad_flat()
+        choice = GradientBufferChoice(
+            casts=self.reduce_dtype != self.orig_dtype,
+            offloads=self.shard_device != self.device,
+            has_grads=any(fp.sharded.grad is not None for fp in self.params),
+            reduces_in_place=comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group),
+        )
+        return self._new_grad_flat() if choice.direct else None
 
     def finish_reduce(self) -> None:
         """Wait for the in-flight reduce-scatter and fold it into the sharded ``.grad`` DTensors."""

@@ -2,7 +2,12 @@
 
 Why a wrapper: (1) one place to count collectives and bytes (``count_collectives()``, used by tests and
 benchmarks), (2) one place for the fallbacks some backends or torch versions need (gloo on older torch lacks
-``ReduceOp.AVG``; torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``).
+``ReduceOp.AVG``; torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``), (3) device
+discipline: every tensor must be on a device type its group serves (``served_device_types``: an NCCL group
+serves CUDA only, ``"cpu:gloo,cuda:nccl"`` both), checked before the collective is issued, so a CPU tensor
+sent over NCCL raises a ``RuntimeError`` naming the calling line instead of failing inside NCCL (or, under
+the simulator, never failing at all). No other module of the engine or the strategy calls
+``torch.distributed`` collectives (``tests/test_comm_discipline.py``).
 
 Example::
 
@@ -14,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +38,12 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
+    "broadcast_object_list",
+    "all_gather_object",
+    "all_gather_list",
+    "barrier",
+    "served_device_types",
+    "check_devices",
     "REDUCE_OPS",
 ]
 
@@ -74,8 +87,64 @@ def _record(kind: str, tensor: torch.Tensor) -> None:
         c.record(kind, tensor)
 
 
+# backend name -> the device types it serves, for backend strings without a "device:backend" map
+_DEVICES_OF_BACKEND = {"nccl": ("cuda",), "gloo": ("cpu",)}
+_SERVED: dict[int, tuple[dist.ProcessGroup, frozenset[str]]] = {}
+
+
+def served_device_types(group: dist.ProcessGroup | None = None) -> frozenset[str]:
+    """The device types whose tensors ``group`` (default: the world) can carry, from its backend config.
+
+    >>> served_device_types(nccl_group), served_device_types(cpu_gloo_cuda_nccl_group)
+    (frozenset({'cuda'}), frozenset({'cpu', 'cuda'}))
+    """
+    group = group if group is not None else dist.group.WORLD
+    hit = _SERVED.get(id(group))
+    if hit is not None and hit[0] is group:
+        return hit[1]
+    config = str(dist.get_backend_config(group))
+    types: set[str] = set()
+    for entry in config.split(","):
+        device, _, backend = entry.strip().rpartition(":")
+        types.update([device] if device else _DEVICES_OF_BACKEND.get(backend, ()))
+    served = frozenset(types)
+    _SERVED[id(group)] = (group, served)
+    return served
+
+
+def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> None:
+    """Raise ``RuntimeError`` naming the caller if a tensor is on a device type ``group`` does not serve.
+
+    Example: ``check_devices("all_reduce", nccl_group, cpu_tensor)`` raises
+    ``RuntimeError: all_reduce at lightning_shard/utils.py:96 (_total_norm): tensor on cpu, group serves cuda``.
+    """
+    served = served_device_types(group)
+    for t in tensors:
+        # meta tensors carry no data (distributing a meta-initialised model): there is nothing to send
+        if t.device.type not in served and t.device.type != "meta":
+            config = dist.get_backend_config(group or dist.group.WORLD)
+            raise RuntimeError(
+                f"lightning_shard.comm.{what} at {_call_site()}: a tensor on {t.device} (shape {tuple(t.shape)}) "
+                f"entered a collective over a group whose backend ({config}) "
+                f"serves {sorted(served)} only; move the tensor to {sorted(served)[0]!r} or use a group that serves "
+                f"{t.device.type!r} (e.g. backend 'cpu:gloo,cuda:nccl')"
+            )
+
+
+def _call_site() -> str:
+    """``file:line (function)`` of the first frame outside this module (the code that asked for the collective)."""
+    frame = sys._getframe(1)
+    here = os.path.abspath(__file__)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) == here:
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Gather equal-size ``input`` from every rank into ``output`` (concatenated on dim 0)."""
+    check_devices("all_gather_into", group, output, input)
     _record("all_gather", input)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
@@ -84,6 +153,7 @@ def reduce_scatter_into(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", async_op: bool = False
 ):
     """Reduce ``input`` (``group size`` equal chunks on dim 0) and keep this rank's chunk in ``output``."""
+    check_devices("reduce_scatter_into", group, output, input)
     _record("reduce_scatter", input)
     if op == "avg" and not _supports_avg(group):
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
@@ -109,6 +179,7 @@ def reduce_scatter_scratch(
         work, chunk = reduce_scatter_scratch(staged, group, async_op=True)
         work.wait()  # chunk now holds the sum over ranks of this rank's chunk of ``staged``
     """
+    check_devices("reduce_scatter_scratch", group, input, *([] if output is None else [output]))
     if reduces_in_place(input.numel() * input.element_size(), group):
         _record("reduce_scatter", input)
         work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -130,6 +201,7 @@ def reduces_in_place(nbytes: int, group: dist.ProcessGroup) -> bool:
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", async_op: bool = False):
     """In-place all-reduce of ``tensor`` with ``op`` in ``{"sum", "avg", "max", "min"}``."""
+    check_devices("all_reduce", group, tensor)
     _record("all_reduce", tensor)
     if op == "avg" and not _supports_avg(group):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
@@ -146,14 +218,61 @@ def all_to_all_single(
     group: dist.ProcessGroup,
 ) -> None:
     """Send ``input``'s dim-0 splits to each rank and receive theirs into ``output``."""
+    check_devices("all_to_all_single", group, output, input)
     _record("all_to_all", input)
     dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup) -> None:
     """Broadcast ``tensor`` in place from the rank with index ``src_group_rank`` inside ``group``."""
+    check_devices("broadcast", group, tensor)
     _record("broadcast", tensor)
     dist.broadcast(tensor, group=group, group_src=src_group_rank)
+
+
+def all_gather_list(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on every rank), as a list in group-rank order.
+
+    Example: ``sums = all_gather_list(checksums, mesh.get_group(0))``.
+    """
+    check_devices("all_gather_list", group, tensor)
+    _record("all_gather", tensor)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
+
+
+def broadcast_object_list(objects: list, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Pickle-broadcast ``objects`` in place from global rank ``src`` (torch stages them on the group's device).
+    On the simulator's fake backend, which carries no data, every rank keeps its own objects.
+
+    Example: ``box = [path]; broadcast_object_list(box)``.
+    """
+    _record("broadcast_object", torch.empty(0))
+    if _carries_data(group):
+        dist.broadcast_object_list(objects, src=src, group=group)
+
+
+def all_gather_object(objects: list, obj: object, group: dist.ProcessGroup | None = None) -> None:
+    """Fill ``objects`` (one slot per rank) with every rank's picklable ``obj`` (on the simulator's fake
+    backend, with this rank's ``obj`` in every slot)."""
+    _record("all_gather_object", torch.empty(0))
+    if _carries_data(group):
+        dist.all_gather_object(objects, obj, group=group)
+    else:
+        objects[:] = [obj] * len(objects)
+
+
+def barrier(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+    """Wait for every rank of ``group``; on an NCCL group pass this rank's ``device`` (as Lightning does)."""
+    if device is not None and device.type == "cuda" and "cpu" not in served_device_types(group):
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def _carries_data(group: dist.ProcessGroup | None) -> bool:
+    return "fake" not in str(dist.get_backend_config(group or dist.group.WORLD))
 
 
 def _supports_avg(group: dist.ProcessGroup) -> bool:

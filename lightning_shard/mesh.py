@@ -13,10 +13,16 @@ Example::
 Process groups are created collectively: every rank calls ``dist.new_group`` for every group of every
 mesh dimension in the same order (torch requires this). Groups are cached by their rank lists, so
 building the same mesh twice (common in tests and in Lightning re-setup) creates no new groups.
+
+The groups of an accelerator mesh carry CPU tensors too (backend ``"cpu:gloo,cuda:nccl"``, torch's default
+for ``init_process_group()``): gradient clipping and full state dicts of CPU-offloaded shards reduce CPU
+tensors over the mesh's groups. The device type is ``"cpu"``, ``"cuda"``, or the simulator's stand-in
+accelerator (``lightning_shard.device``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -24,10 +30,25 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+from lightning_shard import comm
+from lightning_shard.device import handle_for
 
-_BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
+__all__ = ["DeviceMesh", "init_device_mesh", "group_backend"]
+
+
+def _real_tensors(fn):
+    """Run ``fn`` outside any dispatch mode: the rank grid is metadata, a real CPU tensor even when a
+    ``FakeTensorMode`` is active (the simulator; torch's DeviceMesh does the same)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
 
 # (default-group identity, ranks of every group of one mesh dim) -> the group this rank belongs to.
 _GROUP_CACHE: dict[tuple, dist.ProcessGroup | None] = {}
@@ -47,6 +68,7 @@ class DeviceMesh:
         mesh.shape, mesh["tp"].get_group()
     """
 
+    @_real_tensors
     def __init__(
         self,
         device_type: str,
@@ -114,6 +136,7 @@ class DeviceMesh:
         return [self.get_group(d) for d in range(self.ndim)]
 
     # ------------------------------------------------------------------ slicing
+    @_real_tensors
     def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         """Sub-mesh over the named dimensions, containing this rank; reuses the parent's groups.
 
@@ -137,6 +160,7 @@ class DeviceMesh:
         child._root = self._root or self
         return child
 
+    @_real_tensors
     def split_group(self, mesh_dim: int | str | None, size: int) -> dist.ProcessGroup:
         """The group of this rank's ``size`` consecutive neighbours along ``mesh_dim``.
 
@@ -152,11 +176,12 @@ class DeviceMesh:
         root = self.root_mesh
         root_dim = root._dim_index(self.mesh_dim_names[dim]) if root is not self else dim
         blocks = root.mesh.movedim(root_dim, -1).reshape(-1, size).tolist()
-        key = ("split", id(dist.group.WORLD), dist.get_world_size(), tuple(map(tuple, blocks)))
+        backend = group_backend(self.device_type)
+        key = ("split", id(dist.group.WORLD), dist.get_world_size(), backend, tuple(map(tuple, blocks)))
         if key not in _GROUP_CACHE:
             mine = None
             for ranks in blocks:
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, backend=backend)
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -169,6 +194,7 @@ class DeviceMesh:
         return self._root or self
 
     # ------------------------------------------------------------------ interop
+    @_real_tensors
     def to_torch(self) -> torch.distributed.device_mesh.DeviceMesh:
         """The same mesh as torch's ``DeviceMesh``, over the same process groups (no new groups).
 
@@ -193,6 +219,7 @@ class DeviceMesh:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
+    @_real_tensors
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True  # the common case (every DTensor of a model shares its mesh): skip the tensor compare
@@ -204,6 +231,7 @@ class DeviceMesh:
             and torch.equal(self.mesh, other.mesh)
         )
 
+    @_real_tensors
     def __hash__(self) -> int:
         return hash((self.device_type, self.mesh_dim_names, tuple(self.mesh.flatten().tolist()), self.shape))
 
@@ -230,20 +258,22 @@ class DeviceMesh:
         if not dist.is_initialized():
             raise RuntimeError("DeviceMesh: torch.distributed is not initialized; use init_device_mesh()")
         lines = self.mesh.movedim(dim, -1).reshape(-1, self.mesh.shape[dim]).tolist()
-        key = (id(dist.group.WORLD), dist.get_world_size(), tuple(map(tuple, lines)))
+        backend = group_backend(self.device_type)
+        key = (id(dist.group.WORLD), dist.get_world_size(), backend, tuple(map(tuple, lines)))
         if key not in _GROUP_CACHE:
             mine = None
             for ranks in lines:
-                if ranks == list(range(dist.get_world_size())):
+                if ranks == list(range(dist.get_world_size())) and backend is None:
                     group = dist.group.WORLD  # a dim spanning the world in order: no new group needed
                 else:
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, backend=backend)
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
         return _GROUP_CACHE[key]
 
 
+@_real_tensors
 def init_device_mesh(
     device_type: str,
     mesh_shape: Sequence[int],
@@ -276,14 +306,37 @@ def init_device_mesh(
         _check_backend_supports(device_type)
     else:
         _init_default_group(device_type)
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    _set_device_if_unset(device_type)
     mesh = torch.arange(world_size, dtype=torch.int64).reshape(mesh_shape)
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
 
 
+def group_backend(device_type: str) -> str | None:
+    """The backend for new groups of a ``device_type`` mesh: None (inherit the default group's) when the
+    default group already serves both the device and CPU, else the device's CPU-capable backend.
+
+    >>> group_backend("cpu"), group_backend("cuda")   # under Lightning's NCCL-only default group
+    (None, 'cpu:gloo,cuda:nccl')
+    """
+    if device_type == "cpu" or {device_type, "cpu"} <= comm.served_device_types(dist.group.WORLD):
+        return None
+    return handle_for(device_type).cpu_capable_backend
+
+
+def _set_device_if_unset(device_type: str) -> None:
+    """As torch's DeviceMesh: choose this process's accelerator only if it has not chosen one yet
+    (Lightning's ``set_device(parallel_devices[local_rank])`` and a user's ``torch.cuda.set_device`` win)."""
+    handle = handle_for(device_type)
+    if device_type == "cpu" or handle.device_is_set():
+        return
+    if "LOCAL_RANK" in os.environ:
+        handle.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        handle.set_device(dist.get_rank() % max(1, handle.device_count()))
+
+
 def _init_default_group(device_type: str) -> None:
-    backend = _BACKEND_FOR_DEVICE[device_type]
+    backend = handle_for(device_type).cpu_capable_backend
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     else:  # a plain single-process script: a group of one over an in-memory store
@@ -291,24 +344,30 @@ def _init_default_group(device_type: str) -> None:
 
 
 def _check_device_type(device_type: str) -> str:
-    if device_type not in _BACKEND_FOR_DEVICE:
+    try:
+        handle = handle_for(device_type) if isinstance(device_type, str) and ":" not in device_type else None
+    except (ValueError, RuntimeError):
+        handle = None
+    if handle is None or device_type == "meta":
         raise ValueError(
             f"DeviceMesh: device_type {device_type!r} is not supported; use 'cpu' or 'cuda' (without an index)"
         )
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("DeviceMesh: device_type 'cuda' was asked for but CUDA is not available; use 'cpu'")
+    if not handle.is_available():
+        raise ValueError(
+            f"DeviceMesh: device_type {device_type!r} was asked for but {device_type.upper()} is not available; "
+            "use 'cpu'"
+        )
     return device_type
 
 
 def _check_backend_supports(device_type: str) -> None:
-    backend = str(dist.get_backend())
-    wanted = _BACKEND_FOR_DEVICE[device_type]
-    # A backend string is either "gloo"/"nccl" or a per-device map such as "cpu:gloo,cuda:nccl".
-    ok = f"{device_type}:{wanted}" in backend if ":" in backend else backend == wanted
-    if not ok:
+    served = comm.served_device_types(dist.group.WORLD)
+    if device_type not in served:
+        backend = dist.get_backend_config()
+        wanted = handle_for(device_type).backend
         raise ValueError(
             f"init_device_mesh: device_type {device_type!r} does not match the process group backend "
-            f"{backend!r}; use device_type {'cuda' if 'nccl' in backend else 'cpu'!r} or init the process "
+            f"{backend!r}, which serves {sorted(served)}; use one of those device types or init the process "
             f"group with backend {wanted!r}"
         )
 
@@ -326,6 +385,7 @@ def _check_dim_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] 
     return names
 
 
+@_real_tensors
 def _coordinate_of(mesh: torch.Tensor, rank: int) -> tuple[int, ...] | None:
     hits = (mesh == rank).nonzero()
     return tuple(hits[0].tolist()) if len(hits) else None

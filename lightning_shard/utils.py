@@ -15,9 +15,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_shard import comm
-from lightning_shard.mesh import DeviceMesh
+from lightning_shard.mesh import DeviceMesh, group_backend
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.placements import Replicate
 
@@ -127,14 +128,17 @@ def _group_over(mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple[tuple, dist.Pr
         return tuple(dist.get_process_group_ranks(group)), group
     coord = mesh.get_coordinate()
     index = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
-    ranks = tuple(mesh.mesh[index].flatten().tolist())
+    with _disable_current_modes():  # the rank grid is a real tensor, also under the simulator's fake mode
+        ranks = tuple(mesh.mesh[index].flatten().tolist())
     if ranks not in _FLAT_GROUPS:
-        if list(ranks) == list(range(dist.get_world_size())):
+        # Like the mesh's own groups, these carry host tensors too (CPU-offloaded gradients).
+        backend = group_backend(mesh.device_type)
+        if list(ranks) == list(range(dist.get_world_size())) and backend is None:
             _FLAT_GROUPS[ranks] = dist.group.WORLD
         else:
             # Only the members call this (every rank of the group does, in the same order of first use), so
             # sub-meshes whose other groups this rank cannot see work too.
-            _FLAT_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            _FLAT_GROUPS[ranks] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
     return ranks, _FLAT_GROUPS[ranks]
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_shard import comm
+from lightning_shard.device import handle_for, has_data
 from lightning_shard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from lightning_shard.fsdp.units import SharedSplit, find_repeated_blocks, split_shared_params
 from lightning_shard.mesh import DeviceMesh
@@ -151,15 +153,20 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
     Each module's ``reset_parameters()`` runs on its (sharded) parameters; our DTensor random ops produce
     exactly the values one device would, so every rank allocates only its shards. All ranks start from rank
-    0's RNG state so replicated values agree; each rank's own RNG state is restored afterwards.
+    0's RNG states, of the CPU generator and of ``device``'s (``reset_parameters`` of parameters on the
+    accelerator draws from its generator), so replicated values agree; each rank's own states are restored
+    afterwards.
     """
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return
     model.to_empty(device=device)
-    state = torch.get_rng_state()
-    synced = [state]
-    dist.broadcast_object_list(synced, src=0)
+    handle = handle_for(device)
+    states = [torch.get_rng_state(), handle.get_rng_state()]
+    synced = list(states)
+    comm.broadcast_object_list(synced, src=0)
     torch.set_rng_state(synced[0])
+    if synced[1] is not None:
+        handle.set_rng_state(synced[1])
     try:
         with torch.no_grad():
             for m in model.modules():
@@ -167,15 +174,24 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 if callable(reset):
                     reset()
     finally:
-        torch.set_rng_state(state)
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            handle.set_rng_state(states[1])
 
 
-def broadcast_plain_model(model: nn.Module, src: int = 0) -> None:
-    """Make every rank hold rank ``src``'s values of every plain parameter and buffer (before sharding)."""
+def broadcast_plain_model(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every rank hold the values of the mesh's first rank (coordinate 0 on every dim) of every plain
+    parameter and buffer, before sharding: one broadcast per mesh dimension, over the mesh's groups, which
+    carry host tensors too (so an unsharded model stays on the host until it is sharded).
+
+    Example: ``broadcast_plain_model(model, mesh)`` on a (2, 4) mesh: along dim 0, then along dim 1.
+    """
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if not isinstance(t, DTensor) and not t.is_meta:
-                dist.broadcast(t.data, src=src)
+                for dim in range(mesh.ndim):
+                    if mesh.size(dim) > 1:
+                        comm.broadcast(t.data, 0, mesh.get_group(dim))
 
 
 def check_no_drift(model: nn.Module) -> None:
@@ -196,9 +212,11 @@ def check_no_drift(model: nn.Module) -> None:
                 group = p.device_mesh.get_group(i)
                 by_group.setdefault(id(group), (group, []))[1].append((name, p.to_local().detach().double().sum()))
     for group, items in by_group.values():
-        sums = torch.stack([s for _, s in items]).cpu()
-        gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, sums, group=group)
+        sums = torch.stack([s for _, s in items])  # on the parameters' device: the device the group serves
+        gathered = comm.all_gather_list(sums, group)
+        if not has_data(sums):
+            continue  # fake tensors (the simulator): the collective ran, there are no values to compare
+        gathered = [g.cpu() for g in gathered]
         for k, (name, _) in enumerate(items):
             values = [g[k].item() for g in gathered]
             if max(values) - min(values) > 1e-6 * max(1.0, abs(values[0])):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from lightning_shard import comm
 from lightning_shard.fsdp import MixedPrecisionPolicy
 from lightning_shard.tensor import DTensor
 
@@ -52,22 +53,30 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """A GradScaler whose unscale works on sharded (DTensor) gradients: each rank unscales its shards and the
     "found inf" flag is all-reduced, so every rank skips or takes the step together.
 
+    The unscale and the inf/NaN check are ``torch._amp_foreach_non_finite_check_and_unscale_`` over the local
+    shards, one call per (device, dtype), as torch's GradScaler and FSDP2's ShardedGradScaler do: the flag stays
+    on the device, so there is no host synchronisation per gradient. CPU-offloaded gradients are checked on
+    the host and their flag added to the device's.
+
     Example: ``ShardedGradScaler("cuda")`` (used by ``"16-mixed"``).
     """
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        found = torch.zeros_like(found_inf)  # 0-dim in torch's GradScaler
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                if not torch.isfinite(g).all():
-                    found.fill_(1.0)
-                g.mul_(inv_scale.to(g.device))
+                by_device.setdefault((g.device, g.dtype), []).append(g)
+        found = torch.zeros_like(found_inf)  # 0-dim in torch's GradScaler
+        for (device, _), grads in by_device.items():
+            flag = torch.zeros((), dtype=found.dtype, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+            found.add_(flag.to(found.device))
         if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        found_inf.copy_(found)
+            comm.all_reduce(found, dist.group.WORLD, "max")
+        found_inf.copy_(found.clamp_(max=1.0))
         return {found_inf.device: found_inf}
 
 

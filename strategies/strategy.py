@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -42,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
+from lightning_shard import comm
 from lightning_shard.checkpoint import (
     check_optimizer_state_dict,
     get_model_state_dict,
@@ -392,8 +392,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         model = self.precision_plugin.convert_module(model)
         has_meta = any(p.is_meta for p in model.parameters())
         if not has_meta:
-            model.to(self.root_device)
-            parallelize.broadcast_plain_model(model)
+            # Shard first, then move the shards (FSDP1's device_id): fully_shard moves one unit's parameters at a
+            # time, so a model that fits on the host but not on one device is never whole on it. The broadcast
+            # runs on the host over the mesh's groups, which carry host tensors. TP shards plain tensors where
+            # they are, so with TP the model goes to the device first.
+            if self.device_mesh.size("tensor_parallel") > 1:
+                _move_tensors(model, self.root_device, parameters=True)
+            parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
             self.device_mesh,
@@ -408,9 +413,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
         parallelize.materialize(model, self.root_device)
-        for buffer in model.buffers():
-            if buffer.device != self.root_device and not buffer.is_meta:
-                buffer.data = buffer.data.to(self.root_device)
+        _move_tensors(model, self.root_device, parameters=False)
         parallelize.check_no_drift(model)
         if self.compile_fsdp_units:
             options = self.compile_fsdp_units if isinstance(self.compile_fsdp_units, dict) else None
@@ -575,16 +578,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        comm.barrier(device=self.root_device)
 
     def broadcast(self, obj, src: int = 0):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        comm.broadcast_object_list(box, src)
         return box[0]
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
@@ -626,6 +626,23 @@ def _local_loss(out):
     if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
         return {**out, "loss": out["loss"].to_local()}
     return out
+
+
+def _move_tensors(model: nn.Module, device: torch.device, parameters: bool) -> None:
+    """Put every (non-meta) buffer, and with ``parameters`` every plain parameter, on ``device`` by replacing
+    the module's entry (not ``.data``, which cannot change a tensor's device type under the simulator's fake
+    tensors); a tensor registered on several modules (tied weights) stays shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        entries = [module._buffers] + ([module._parameters] if parameters else [])
+        for table in entries:
+            for name, t in table.items():
+                if t is None or t.is_meta or t.device == device or type(t).__name__ == "DTensor":
+                    continue
+                if id(t) not in moved:
+                    data = t.detach().to(device)
+                    moved[id(t)] = nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                table[name] = moved[id(t)]
 
 
 def _top_level_entries(path: Path) -> set[str]:

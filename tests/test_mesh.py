@@ -149,14 +149,17 @@ def test_bad_input_raises_same_error_on_every_rank():
 @distributed(world_size=2)
 def test_backend_mismatch_is_reported():
     import lightning_shard.mesh as mesh_mod
+    from lightning_shard import comm
 
-    original = dist.get_backend
-    mesh_mod.dist.get_backend = lambda *a: "nccl"
+    original = dist.get_backend_config
+    mesh_mod.dist.get_backend_config = lambda *a: "cuda:nccl"
+    comm._SERVED.clear()
     try:
-        with pytest.raises(ValueError, match="does not match the process group backend 'nccl'"):
+        with pytest.raises(ValueError, match="does not match the process group backend 'cuda:nccl'"):
             init_device_mesh("cpu", (2,))
     finally:
-        mesh_mod.dist.get_backend = original
+        mesh_mod.dist.get_backend_config = original
+        comm._SERVED.clear()
 
 
 @distributed(world_size=4)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
+from lightning_shard.device import handle_for, has_data, same_storage
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.param_group import FSDPParamGroup, MeshInfo
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -116,7 +117,7 @@ class FSDPModule:
             torch.__future__.set_swap_module_params_on_conversion(previous)
         group = self._fsdp_state.group
         if group is not None and any(
-            fp.sharded._local_tensor.untyped_storage().data_ptr() != group.shard_flat.untyped_storage().data_ptr()
+            not same_storage(fp.sharded._local_tensor, group.shard_flat)
             or fp.sharded._local_tensor.device != group.shard_flat.device
             for fp in group.params
         ):
@@ -269,9 +270,8 @@ def _set_reshard(state: FSDPState, value: bool | int) -> None:
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This process's device of the mesh's type (for an accelerator: the current one, as torch's FSDP2)."""
+    return handle_for(mesh.device_type).current_device()
 
 
 def _collect_params(modules, ignored: set[int], device: torch.device, mesh: DeviceMesh):
@@ -372,8 +372,8 @@ def _check_tp_param(fqn: str, p: DTensor, mesh: DeviceMesh) -> None:
 def _check_device(fqn: str, p: nn.Parameter, device: torch.device) -> None:
     if p.device.type == "meta" or p.device.type == device.type:
         return
-    if device.type == "cuda" and p.device.type == "cpu":
-        return  # moved to the device, as torch's fully_shard does
+    if device.type != "cpu" and p.device.type == "cpu":
+        return  # moved to the accelerator, one group at a time, as torch's fully_shard does
     raise ValueError(
         f"fully_shard: parameter {fqn!r} is on {p.device} but the mesh is a {device.type} mesh; move the module "
         f"to {device.type} first or use a mesh of device type {p.device.type!r}"
@@ -479,5 +479,5 @@ def _gather_full(group: FSDPParamGroup) -> list[torch.Tensor]:
     out = torch.empty((group.layout.world_size, group.layout.shard_numel), dtype=shard.dtype, device=group.device)
     comm.all_gather_into(out.view(-1), shard, group.mesh_info.shard_group)
     full = [torch.empty(fp.shape, dtype=shard.dtype, device=group.device) for fp in group.params]
-    all_gather_copy_out(group.layout, out, full)
+    all_gather_copy_out(group.layout, out, full, impl="auto" if has_data(out) else "reference")
     return full

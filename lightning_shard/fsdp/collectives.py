@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_shard import comm
+from lightning_shard.device import DeviceHandle, handle_for, has_data
 from lightning_shard.fsdp import buffers
 from numba_kernels import GroupLayout, all_gather_copy_in, all_gather_copy_out, post_reduce, reduce_scatter_copy_in
 
@@ -58,8 +59,11 @@ def start_all_gather(
     if shard_flat.dtype == compute_dtype and shard_flat.device == device:
         inp = shard_flat  # no copy-in at all: the shard buffer is the all-gather input
     else:
-        src = shard_flat.to(device, non_blocking=True)  # CPU offload: bring the shard to the device
-        all_gather_copy_in(layout, src, output, rank)  # cast fused into the copy into our slot
+        src = shard_flat
+        if shard_flat.device != device:  # CPU offload: bring the (pinned) shard to the device
+            src = torch.empty_like(shard_flat, device=device)
+            handle_for(device).copy_(src, shard_flat, non_blocking=True)
+        all_gather_copy_in(layout, src, output, rank, impl=_impl(output))  # cast fused into the copy into our slot
         inp = output[rank]
     work = comm.all_gather_into(output.view(-1), inp, group, async_op=True)
     return CollectiveHandle(work, output, inp, layout)
@@ -68,7 +72,10 @@ def start_all_gather(
 def finish_all_gather(handle: CollectiveHandle, unsharded_flat: torch.Tensor) -> None:
     """Wait for the all-gather and copy the gathered shards into the unsharded flat buffer (one kernel)."""
     gathered = handle.wait()
-    all_gather_copy_out(handle.layout, gathered, unsharded_flat)
+    # Autograd saved views of unsharded_flat in the last forward; refilling it is not a modification it must
+    # see (the numba kernels write raw memory; the reference path needs this, as torch's FSDP2 copy-out does).
+    with torch.autograd._unsafe_preserve_version_counter(unsharded_flat):
+        all_gather_copy_out(handle.layout, gathered, unsharded_flat, impl=_impl(gathered))
 
 
 def start_reduce_scatter(
@@ -87,10 +94,22 @@ def start_reduce_scatter(
     says where either way).
     """
     staged = buffers.empty((layout.world_size, layout.shard_numel), reduce_dtype, device)
-    reduce_scatter_copy_in(layout, grads, staged, predivide=predivide)
+    reduce_scatter_copy_in(layout, grads, staged, predivide=predivide, impl=_impl(staged))
     # On gloo the reduced shard is left in (a view of) the staging buffer: see comm.reduce_scatter_scratch.
     work, reduced = comm.reduce_scatter_scratch(staged.view(-1), group, output, async_op=True)
     return CollectiveHandle(work, reduced, staged)
+
+
+def reduce_stream(device_handle: DeviceHandle) -> object | None:
+    """The side stream every group's post-reduce work runs on (one per device handle, as torch's FSDP2 shares
+    its reduce-scatter and all-reduce streams across groups); None on CPU."""
+    key = id(device_handle)
+    if key not in _REDUCE_STREAMS or _REDUCE_STREAMS[key][0] is not device_handle:
+        _REDUCE_STREAMS[key] = (device_handle, device_handle.new_stream())
+    return _REDUCE_STREAMS[key][1]
+
+
+_REDUCE_STREAMS: dict[int, tuple[DeviceHandle, object | None]] = {}
 
 
 def finish_reduce_scatter(
@@ -100,21 +119,66 @@ def finish_reduce_scatter(
     postdivide: float | None,
     accumulate: bool,
     replicate_group: dist.ProcessGroup | None = None,
-) -> None:
+    device_handle: DeviceHandle | None = None,
+) -> object | None:
     """Wait for the reduce-scatter [all-reduce across replicas], then divide/upcast/accumulate in one kernel.
 
-    When the reduce-scatter wrote into ``grad_flat`` itself, only the post-divide is left (in place).
+    On an accelerator all of it runs on the side ``reduce_stream`` (the compute stream goes on with the next
+    group's backward; the root joins the streams at the end of backward), as torch's FSDP2 runs its
+    reduce-scatter and HSDP all-reduce off the compute stream. When the reduce-scatter wrote into
+    ``grad_flat`` itself, only the post-divide is left (in place).
+
+    CPU offload (``grad_flat`` on the host): without accumulation the post-reduce writes a device buffer that
+    is copied into ``grad_flat`` non-blocking when ``grad_flat`` is pinned, and the returned event marks the
+    copy's end: wait for it (``DeviceHandle.wait_event``) before anything reads the gradients on the host. With
+    accumulation the copy is blocking (the host adds it), as in torch's FSDP2.
     """
-    reduced = handle.wait()
-    if replicate_group is not None:
-        comm.all_reduce(reduced, replicate_group, "sum")
-    if reduced is grad_flat:
-        if postdivide is not None:
-            post_reduce(layout, grad_flat, grad_flat, postdivide=postdivide)  # element-wise: safe in place
-        return
-    if reduced.device != grad_flat.device:
-        reduced = reduced.to(grad_flat.device)  # CPU offload: gradients live on CPU
-    post_reduce(layout, reduced, grad_flat, postdivide=postdivide, accumulate=accumulate)
+    dh = device_handle or handle_for(handle.output.device)
+    stream = reduce_stream(dh)
+    dh.wait_stream(stream, dh.current_stream())  # the side stream starts after the staged gradients exist
+    with dh.stream(stream):
+        reduced = handle.wait()
+        for t in (reduced, grad_flat):  # used on the side stream: not reused before that work ran
+            if t.device.type != "cpu":
+                dh.record_stream(t, stream)
+        if replicate_group is not None:
+            comm.all_reduce(reduced, replicate_group, "sum")
+        if reduced is grad_flat:
+            if postdivide is not None:  # element-wise: safe in place
+                post_reduce(layout, grad_flat, grad_flat, postdivide=postdivide, impl=_impl(grad_flat))
+            return None
+        if reduced.device == grad_flat.device:
+            post_reduce(layout, reduced, grad_flat, postdivide=postdivide, accumulate=accumulate, impl=_impl(grad_flat))
+            return None
+        return _offload_gradients(layout, reduced, grad_flat, postdivide, accumulate, dh, stream)
+
+
+def _offload_gradients(
+    layout: GroupLayout,
+    reduced: torch.Tensor,
+    grad_flat: torch.Tensor,
+    postdivide: float | None,
+    accumulate: bool,
+    dh: DeviceHandle,
+    stream: object | None,
+) -> object | None:
+    """CPU offload: bring the reduced shard to the host gradient buffer (see ``finish_reduce_scatter``)."""
+    if accumulate:
+        host = torch.empty_like(reduced, device=grad_flat.device)
+        dh.copy_(host, reduced)  # blocking: the host adds it right away
+        post_reduce(layout, host, grad_flat, postdivide=postdivide, accumulate=True, impl=_impl(grad_flat))
+        return None
+    on_device = buffers.empty(grad_flat.shape, grad_flat.dtype, reduced.device)
+    dh.record_stream(on_device, stream)
+    post_reduce(layout, reduced, on_device, postdivide=postdivide, impl=_impl(on_device))
+    dh.copy_(grad_flat, on_device, non_blocking=dh.is_pinned(grad_flat))
+    return dh.record_event(stream)
+
+
+def _impl(tensor: torch.Tensor) -> str:
+    """The staging kernels' implementation: numba's for real memory, torch's reference for fake tensors
+    (the simulator), which numba cannot address."""
+    return "auto" if has_data(tensor) else "reference"
 
 
 def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:

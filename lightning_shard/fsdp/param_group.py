@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
+from lightning_shard.device import handle_for, same_storage
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -83,6 +84,47 @@ class MeshInfo:
         return mesh, (dp, *tp_placements)
 
 
+@dataclass(frozen=True)
+class GradientBufferChoice:
+    """Which buffer a group's reduce writes its gradients into, from four conditions.
+
+    ================  ===========  ==============  ==================  =============================================
+    reduce dtype !=   CPU offload  a ``.grad``     reduced in place    the reduced gradients go
+    param dtype                    already exists  (gloo, >= 4 MiB)
+    ================  ===========  ==============  ==================  =============================================
+    no                no           no              no                  **direct**: the reduce-scatter's output is a
+                                                                       new gradient buffer; only the post-divide is
+                                                                       left, in place
+    yes               any          no              any                 a new gradient buffer, filled (cast) by the
+                                                                       post-reduce from the reduce output
+    any               yes          no              any                 a new pinned host buffer, copied from the
+                                                                       device (``collectives.finish_reduce_scatter``)
+    no                no           no              yes                 a new buffer, filled from the staging buffer
+                                                                       at finish (not alive beside the unsharded
+                                                                       gradients)
+    any               any          yes             any                 the current buffer if a ``.grad`` still views
+                                                                       it, else a new one holding the ``.grad``
+                                                                       values; the post-reduce accumulates
+    ================  ===========  ==============  ==================  =============================================
+
+    Direct saves a shard-sized temporary at the end of each group's backward, where the step's memory peaks
+    (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). The non-direct rows are decided
+    at ``finish_reduce`` (``FSDPParamGroup._gradient_target``).
+
+    Example: ``GradientBufferChoice(casts=False, offloads=False, has_grads=False, reduces_in_place=False).direct``
+    is True.
+    """
+
+    casts: bool
+    offloads: bool
+    has_grads: bool
+    reduces_in_place: bool
+
+    @property
+    def direct(self) -> bool:
+        return not (self.casts or self.offloads or self.has_grads or self.reduces_in_place)
+
+
 class FSDPParamGroup:
     """Flat-buffer sharded storage and the unshard / reshard / reduce steps of one group (module docstring)."""
 
@@ -99,8 +141,11 @@ class FSDPParamGroup:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self.pin_memory = self.offload and offload_policy.pin_memory and device.type == "cuda"
         self.device = device
+        self.handle = handle_for(device)
+        # Pinned host shards and gradients make the copies to and from the accelerator asynchronous.
+        self.pin_memory = self.offload and offload_policy.pin_memory and device.type not in ("cpu", "meta")
+        self.grad_offload_event: object | None = None  # CPU offload: the last device-to-host gradient copy
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             names = ", ".join(f"{p.fqn}: {p.dtype}" for p in params)
@@ -113,6 +158,9 @@ class FSDPParamGroup:
         self.reduce_dtype = mp_policy.gradient_dtype(self.orig_dtype)
         self.layout = GroupLayout([p.shape for p in params], mesh_info.shard_size)
         self.shard_flat = self._shard_originals(originals)
+        # Drop the unsharded originals (copies moved to the device for sharding) before anything else is
+        # allocated, so setup holds at most one unsharded group at a time.
+        originals.clear()
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         self._free_unsharded_storage()
         self._grad_flat_ref: weakref.ref[torch.Tensor] | None = None  # see the grad_flat property
@@ -137,8 +185,8 @@ class FSDPParamGroup:
         """Copy this rank's rows of every parameter into a new flat shard and register DTensor params."""
         device = originals[0].device if originals[0].device.type == "meta" else self.shard_device
         flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
-        if self.pin_memory:
-            flat = flat.pin_memory()
+        if self.pin_memory and device.type == "cpu":
+            flat = self.handle.pin(flat)
         rank = self.mesh_info.shard_rank
         for i, (fp, orig) in enumerate(zip(self.params, originals)):
             local = self._local_view(flat, i)
@@ -168,18 +216,33 @@ class FSDPParamGroup:
         """
         locals_ = [fp.sharded._local_tensor for fp in self.params]
         device = locals_[0].device
-        self.device = device if not self.offload else self.device
+        if self.offload and device.type != "meta":
+            # CPU offload keeps the shards on the host, wherever _apply put them (to_empty(device="cuda") after
+            # meta init): pinned, as torch's FSDP2 moves and pins them.
+            device = torch.device("cpu")
+        elif not self.offload:
+            self.device = device
+            self.handle = handle_for(device)
         self.orig_dtype = locals_[0].dtype
         self.compute_dtype = self.mp_policy.compute_dtype(self.orig_dtype)
         self.reduce_dtype = self.mp_policy.gradient_dtype(self.orig_dtype)
         flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        if self.pin_memory and device.type == "cpu":
+            flat = self.handle.pin(flat)
         for i, (fp, local) in enumerate(zip(self.params, locals_)):
             view = self._local_view(flat, i)
             view.copy_(local)
-            fp.sharded._local_tensor = view
-            fp.sharded._spec = DTensorSpec(
+            spec = DTensorSpec(
                 fp.sharded._spec.mesh, fp.sharded._spec.placements, fp.global_shape, fp.sharded._spec.stride, flat.dtype
             )
+            if fp.sharded.device != view.device:
+                # The shard moved back to the host (CPU offload): the DTensor's own device must say so too, so
+                # its gradient and optimizer state are host tensors. Same parameter object, new contents.
+                new = nn.Parameter(DTensor(view, spec, requires_grad=False), requires_grad=fp.requires_grad)
+                torch.utils.swap_tensors(fp.sharded, new)
+                fp.sharded._fsdp_managed = True
+            fp.sharded._local_tensor = view
+            fp.sharded._spec = spec
         self.shard_flat = flat
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
         self._free_unsharded_storage()
@@ -316,22 +379,15 @@ class FSDPParamGroup:
         )
 
     def _direct_reduce_output(self) -> torch.Tensor | None:
-        """A new sharded gradient buffer, when the reduce-scatter can write the gradients into it directly.
-
-        That needs no cast (reduce dtype = parameter dtype), no CPU offload and no earlier gradient to
-        accumulate into. It saves a shard-sized temporary at the end of each group's backward, where the
-        step's memory peaks (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). Where the
-        reduction stays in the staging buffer instead (gloo from 4 MiB, ``comm.reduce_scatter_scratch``), the
-        post-reduce fills the gradient buffer from there, in the pass that would otherwise divide it in place.
-        """
-        if self.reduce_dtype != self.orig_dtype or self.shard_device != self.device:
-            return None
-        if any(fp.sharded.grad is not None for fp in self.params):
-            return None
+        """A new sharded gradient buffer when ``GradientBufferChoice`` says the reduce-scatter writes into it."""
         staged_bytes = self.layout.world_size * self.layout.shard_numel * self.reduce_dtype.itemsize
-        if comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group):
-            return None  # allocated at finish_reduce instead: not alive beside this group's unsharded gradients
-        return self._new_grad_flat()
+        choice = GradientBufferChoice(
+            casts=self.reduce_dtype != self.orig_dtype,
+            offloads=self.shard_device != self.device,
+            has_grads=any(fp.sharded.grad is not None for fp in self.params),
+            reduces_in_place=comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group),
+        )
+        return self._new_grad_flat() if choice.direct else None
 
     def finish_reduce(self) -> None:
         """Wait for the in-flight reduce-scatter and fold it into the sharded ``.grad`` DTensors."""
@@ -343,10 +399,19 @@ class FSDPParamGroup:
         else:
             grad_flat, accumulate = self._gradient_target()
         _, postdivide = self._divide_factors()
-        collectives.finish_reduce_scatter(
-            self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group
+        event = collectives.finish_reduce_scatter(
+            self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group, self.handle
         )
+        self.grad_offload_event = event or self.grad_offload_event
         self._assign_grads(grad_flat)
+
+    def wait_for_gradients(self) -> None:
+        """End of backward: the compute stream waits for the reduce stream, and the host for the last
+        non-blocking gradient copy to the host (CPU offload), before an optimizer reads the gradients."""
+        self.handle.wait_stream(self.handle.current_stream(), collectives.reduce_stream(self.handle))
+        if self.grad_offload_event is not None:
+            self.handle.wait_event(self.grad_offload_event)
+            self.grad_offload_event = None
 
     def _divide_factors(self) -> tuple[float | None, float | None]:
         return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)
@@ -364,6 +429,8 @@ class FSDPParamGroup:
     def _new_grad_flat(self) -> torch.Tensor:
         # Uninitialised is fine: the reduce (or post-reduce without accumulation) writes every element.
         flat = buffers.empty(self.layout.shard_numel, self.orig_dtype, self.shard_device)
+        if self.pin_memory:
+            flat = self.handle.pin(flat)
         self._grad_flat_ref = weakref.ref(flat)
         return flat
 
@@ -400,8 +467,12 @@ class FSDPParamGroup:
         """Whether ``grad``'s local tensor is parameter ``i``'s view into ``flat`` (its address and shape),
         checked without making the view."""
         local = grad._local_tensor
-        address = flat.data_ptr() + int(self.layout.shard_offsets[i]) * flat.element_size()
-        return local.data_ptr() == address and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
+        offset = flat.storage_offset() + int(self.layout.shard_offsets[i])
+        return (
+            same_storage(local, flat)
+            and local.storage_offset() == offset
+            and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
+        )
 
 
 def _match_numba_threads_to_torch() -> None:

@@ -222,6 +222,9 @@ class FSDPState:
                     group.reshard()
             state.training_state = TrainingState.IDLE
             state.post_backward_done = False
+        for state in self.all_states:
+            if state.group is not None:
+                state.group.wait_for_gradients()
 
 
 def _eager_under_compile(hook):

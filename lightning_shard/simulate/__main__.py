@@ -1,0 +1,84 @@
+"""CLI: ``python -m lightning_shard.simulate MODULE:FACTORY --devices N ...``: simulate training as rank R of N
+accelerators on this CPU and report peak device memory, collectives and communication per step.
+
+The factory is called under ``torch.device("meta")`` (token ids in, logits out), as the planner's CLI does.
+
+Example::
+
+    python -m lightning_shard.simulate benchmarks.sim_models:llama3_8b --devices 16 --tensor-parallel-size 2 \\
+        --precision bf16-mixed --batch 1 --seq-len 8192 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lightning_shard.simulate.run import SimulationRequest, simulate_training
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lightning_shard.simulate", description=__doc__.split("\n")[0])
+    p.add_argument("factory", help="package.module:callable returning the model (called on the meta device)")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--sharding-strategy", default="FULL_SHARD")
+    p.add_argument("--precision", default="bf16-mixed")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--devices-per-node", type=int, default=8)
+    p.add_argument("--reference", choices=["torch"], default=None, help="not implemented yet: raises")
+    p.add_argument("--json", default=None, help="write the report to this file")
+    args = p.parse_args(argv)
+    if args.reference:
+        print("simulate: --reference torch is not implemented yet", file=sys.stderr)
+        return 2
+    try:
+        factory = _load(args.factory)
+        request = SimulationRequest(
+            devices=args.devices, tensor_parallel_size=args.tensor_parallel_size,
+            sharding_strategy=args.sharding_strategy, precision=args.precision, batch=args.batch,
+            seq_len=args.seq_len, steps=args.steps, cpu_offload=args.cpu_offload,
+            activation_checkpointing=args.activation_checkpointing, rank=args.rank,
+            devices_per_node=args.devices_per_node,
+        )  # fmt: skip
+        report = simulate_training(factory, request)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    for key, value in report.items():
+        print(f"{key:26s} {_fmt(value)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _fmt(value) -> str:
+    if isinstance(value, int) and value >= 1 << 20:
+        return f"{value / (1 << 30):.2f} GiB ({value})"
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def _load(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"simulate: expected 'package.module:factory', got {spec!r}")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"simulate: cannot load the factory {spec!r}: {e}") from e
+    return obj
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""``MemoryTracker``: live and peak bytes per device type of the fake tensors a simulation allocates.
+
+Fake tensors own no memory, but each has a storage of a known size. The tracker (a dispatch mode inside the
+simulator's ``FakeTensorMode``) counts a storage when an op first returns it, uncounts it when the storage
+dies, and follows ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded parameters). Peaks
+are kept overall and per named phase (``tracker.phase = "forward"``).
+
+Example::
+
+    with FakeTensorMode(), MemoryTracker() as mem:
+        x = torch.empty(1024, device="lazy")
+    mem.peak["lazy"]   # 4096
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["MemoryTracker"]
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live bytes, peak bytes and peak bytes per phase, by device type (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[str, int] = defaultdict(int)
+        self.peak: dict[str, int] = defaultdict(int)
+        self.peak_by_phase: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.phase = "setup"
+        self._entries: dict[int, tuple[str, int]] = {}  # id(storage) -> (device type, bytes counted)
+        self._resize = None
+
+    def __enter__(self):
+        tracker, original = self, torch.UntypedStorage.resize_
+
+        def resize_(storage, nbytes):
+            result = original(storage, nbytes)
+            tracker._resized(storage)
+            return result
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage if it is new (tensors made outside the tracker can be added this way).
+
+        A wrapper subclass (a DTensor) owns no memory beyond its local tensor, which is what is counted."""
+        if type(t) is not torch.Tensor and not isinstance(t, FakeTensor):
+            local = getattr(t, "_local_tensor", None)
+            if isinstance(local, torch.Tensor):
+                self.track(local)
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._entries:
+            return
+        self._entries[key] = (t.device.type, 0)
+        weakref.finalize(storage, self._release, key)
+        self._set(key, storage.nbytes())
+
+    def reset_peaks(self) -> None:
+        """Start new peaks from the current live bytes."""
+        self.peak = defaultdict(int, self.live)
+        self.peak_by_phase = defaultdict(lambda: defaultdict(int))
+
+    def _resized(self, storage) -> None:
+        if id(storage) in self._entries:
+            self._set(id(storage), storage.nbytes())
+
+    def _set(self, key: int, nbytes: int) -> None:
+        device, before = self._entries[key]
+        self._entries[key] = (device, nbytes)
+        self.live[device] += nbytes - before
+        if nbytes > before:
+            live = self.live[device]
+            self.peak[device] = max(self.peak[device], live)
+            phase = self.peak_by_phase[self.phase]
+            phase[device] = max(phase[device], live)
+
+    def _release(self, key: int) -> None:
+        device, nbytes = self._entries.pop(key)
+        self.live[device] -= nbytes

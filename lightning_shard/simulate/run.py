@@ -1,0 +1,172 @@
+"""``simulate_training``: the setup and training steps the strategy runs on GPUs, as rank ``r`` of ``N``
+simulated accelerators, with a memory and collective report.
+
+The steps (the engine's own, no Lightning): a ``(data_parallel, tensor_parallel)`` mesh (or ``(replicate,
+data_parallel)`` for HYBRID_SHARD, ``(replicate, 1)`` for NO_SHARD), the model built on meta by the factory,
+tensor parallelism with ``auto_tp_plan`` when T > 1, ``fully_shard`` on every repeated block and the root,
+materialisation (``to_empty`` + ``reset_parameters``), then K steps of forward, backward, clipping by norm
+and AdamW. Checkpoint saves are not simulated (a fake tensor has no bytes to write).
+
+Example::
+
+    report = simulate_training(build_llama, devices=8, precision="bf16-mixed", batch=1, seq_len=8192)
+    report["peak_device_bytes"]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_shard import comm
+from lightning_shard.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from lightning_shard.fsdp.units import find_repeated_blocks
+from lightning_shard.mesh import init_device_mesh
+from lightning_shard.simulate.world import simulated_world
+from lightning_shard.utils import clip_grad_norm_
+
+__all__ = ["SimulationRequest", "simulate_training"]
+
+_POLICIES = {
+    "32-true": MixedPrecisionPolicy(),
+    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+}
+_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+
+
+@dataclass(frozen=True)
+class SimulationRequest:
+    """What to simulate; ``check()`` raises ``ValueError`` naming what cannot be honoured."""
+
+    devices: int
+    tensor_parallel_size: int = 1
+    sharding_strategy: str = "FULL_SHARD"
+    precision: str = "bf16-mixed"
+    batch: int = 1
+    seq_len: int = 512
+    steps: int = 1
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    rank: int = 0
+    devices_per_node: int = 8
+    vocab_size: int | None = None
+
+    def check(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"simulate: --devices {self.devices} must be at least 1")
+        if self.tensor_parallel_size < 1 or self.devices % self.tensor_parallel_size:
+            raise ValueError(
+                f"simulate: --tensor-parallel-size {self.tensor_parallel_size} does not divide --devices "
+                f"{self.devices}; choose a divisor"
+            )
+        if self.sharding_strategy not in _SHARDING:
+            raise ValueError(f"simulate: --sharding-strategy {self.sharding_strategy!r} is not one of {_SHARDING}")
+        if self.sharding_strategy in ("HYBRID_SHARD", "NO_SHARD") and self.tensor_parallel_size > 1:
+            raise ValueError(f"simulate: {self.sharding_strategy} with tensor parallelism is not supported")
+        if self.precision not in _POLICIES:
+            raise ValueError(f"simulate: --precision {self.precision!r} is not one of {sorted(_POLICIES)}")
+        if not 0 <= self.rank < self.devices:
+            raise ValueError(f"simulate: --rank {self.rank} must be in [0, {self.devices})")
+        if self.activation_checkpointing:
+            raise ValueError(
+                "simulate: --activation-checkpointing is not supported yet: torch.utils.checkpoint looks up a "
+                "torch device module for the simulator's stand-in device, which has none"
+            )
+        if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
+            raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
+
+
+def simulate_training(factory: Callable[[], nn.Module], request: SimulationRequest) -> dict:
+    """Run ``request`` (see the module docstring) and return the report dict."""
+    request.check()
+    started = time.perf_counter()
+    with simulated_world(request.devices, request.rank, devices_per_node=request.devices_per_node) as world:
+        mem = world.memory
+        mesh, fsdp_mesh = _meshes(world.device_type, request)
+        try:
+            with torch.device("meta"):
+                model = factory()
+        except Exception as e:
+            raise ValueError(f"simulate: the model factory {factory!r} failed: {e!r}") from e
+        _parallelize(model, mesh, fsdp_mesh, request)
+        model.to_empty(device=world.device)
+        with torch.no_grad():
+            for m in model.modules():
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+        after_setup = mem.live[world.device_type]
+        host_after_setup = mem.live["cpu"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        vocab = request.vocab_size or _vocab_of(model)
+        for _ in range(request.steps):
+            with comm.count_collectives() as counts:
+                x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
+                mem.phase = "forward"
+                loss = model(x).float().mean()
+                mem.phase = "backward"
+                loss.backward()
+                mem.phase = "optimizer"
+                clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                del loss
+    device = world.device_type
+    return {
+        "peak_device_bytes": mem.peak[device],
+        "peak_by_phase": {phase: peaks.get(device, 0) for phase, peaks in mem.peak_by_phase.items()},
+        "device_bytes_after_setup": after_setup,
+        "collectives_per_step": dict(counts.calls),
+        "comm_bytes_per_step": sum(counts.bytes.values()),
+        "host_bytes_offloaded": host_after_setup if request.cpu_offload else 0,
+        "simulation_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _meshes(device_type: str, r: SimulationRequest):
+    dp = r.devices // r.tensor_parallel_size
+    if r.sharding_strategy == "NO_SHARD":
+        mesh = init_device_mesh(device_type, (dp, 1), mesh_dim_names=("replicate", "data_parallel"))
+        return mesh, mesh
+    if r.sharding_strategy == "HYBRID_SHARD":
+        per_node = min(r.devices_per_node, dp)
+        if dp % per_node:
+            raise ValueError(f"simulate: HYBRID_SHARD needs --devices {dp} to be a multiple of {per_node} per node")
+        mesh = init_device_mesh(device_type, (dp // per_node, per_node), mesh_dim_names=("replicate", "data_parallel"))
+        return mesh, mesh
+    mesh = init_device_mesh(
+        device_type, (dp, r.tensor_parallel_size), mesh_dim_names=("data_parallel", "tensor_parallel")
+    )
+    return mesh, mesh["data_parallel"]
+
+
+def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> None:
+    if r.tensor_parallel_size > 1:
+        from lightning_shard.tp import auto_tp_plan, parallelize_module
+
+        parallelize_module(model, mesh["tensor_parallel"], auto_tp_plan(model, mesh["tensor_parallel"]))
+    blocks = find_repeated_blocks(model)
+    if r.activation_checkpointing:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in blocks:
+            block.forward = lambda *a, _f=block.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    kwargs = {
+        "mesh": fsdp_mesh,
+        "reshard_after_forward": r.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+        "mp_policy": _POLICIES[r.precision],
+        "offload_policy": CPUOffloadPolicy() if r.cpu_offload else OffloadPolicy(),
+    }
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _vocab_of(model: nn.Module) -> int:
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.num_embeddings
+    raise ValueError("simulate: the model has no nn.Embedding to draw token ids for; pass --vocab-size")

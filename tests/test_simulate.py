@@ -1,0 +1,101 @@
+"""lightning_shard.simulate: the simulated accelerator cluster itself (fake world, memory tracker, guards)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_shard import comm, init_device_mesh
+from lightning_shard.fsdp import fully_shard
+from lightning_shard.simulate import MemoryTracker, simulated_world
+from tests.fsdp_models import VOCAB, make_model
+
+
+def test_memory_tracker_counts_allocations_frees_and_storage_resizes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), MemoryTracker() as mem:
+        a = torch.empty(1000, device="lazy")  # 4000 bytes
+        b = a[10:20]  # a view: no new storage
+        c = torch.empty(250, device="lazy", dtype=torch.float64)  # 2000 bytes
+        assert mem.live["lazy"] == 6000
+        del a
+        assert mem.live["lazy"] == 6000  # b keeps the storage alive
+        del b
+        assert mem.live["lazy"] == 2000
+        c.untyped_storage().resize_(0)
+        assert mem.live["lazy"] == 0
+        c.untyped_storage().resize_(800)
+        assert mem.live["lazy"] == 800
+        h = torch.empty(10)
+        assert mem.live["cpu"] == 40 and h.device.type == "cpu"
+    assert mem.peak["lazy"] == 6000
+
+
+def test_simulated_world_rejects_bad_requests():
+    with pytest.raises(ValueError, match="rank=8"), simulated_world(8, rank=8):
+        pass
+    with pytest.raises(ValueError, match="world_size=0"), simulated_world(0):
+        pass
+    with simulated_world(8, rank=1) as world:
+        with pytest.raises(ValueError, match=r"mesh_shape \(3,\)"):
+            init_device_mesh(world.device_type, (3,))
+        with pytest.raises(ValueError, match="'meta' is not supported"):
+            init_device_mesh("meta", (8,))
+    assert not dist.is_initialized()
+
+
+def test_cpu_tensor_on_the_accelerator_group_raises_naming_the_call_site():
+    with simulated_world(8, rank=2) as world:
+        assert comm.served_device_types() == {world.device_type}
+        with pytest.raises(RuntimeError, match=r"comm.all_reduce at .*test_simulate.py:\d+"):
+            comm.all_reduce(torch.zeros(3), dist.group.WORLD)
+        # torch.distributed's own collectives are guarded too while the simulation runs
+        with pytest.raises(RuntimeError, match="torch.distributed.broadcast"):
+            dist.broadcast(torch.zeros(3), src=0)
+        comm.all_reduce(torch.zeros(3, device=world.device), dist.group.WORLD)  # the accelerator: fine
+        # the mesh's groups carry host tensors too (torch's "cpu:gloo,cuda:nccl")
+        mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
+        comm.all_reduce(torch.zeros(3), mesh.get_group())
+        assert comm.served_device_types(mesh.get_group()) == {"cpu", world.device_type}
+
+
+def test_fully_shard_step_as_rank_3_of_8_counts_collectives_and_shards_memory():
+    with simulated_world(8, rank=3) as world:
+        mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
+        with torch.device("meta"):
+            model = make_model()
+        total = sum(p.numel() * 4 for p in model.parameters())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device=world.device)
+        after_setup = world.memory.live[world.device_type]
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randint(0, VOCAB, (4, 6), device=world.device)
+        with comm.count_collectives() as counts:
+            model(x).sum().backward()
+        opt.step()
+    groups = len(model.blocks) + 1
+    assert counts.calls["all_gather"] == 2 * (groups - 1) + 1
+    assert counts.calls["reduce_scatter"] == groups
+    # each rank holds about 1/8 of the parameters (padding to a multiple of 8 rows per parameter)
+    assert total / 8 <= after_setup <= total / 8 * 1.5, (after_setup, total)
+    assert all(p.device.type == world.device_type for p in model.parameters())
+
+
+def test_cli_reports_memory_and_collectives_and_rejects_bad_requests(tmp_path, capsys):
+    from lightning_shard.simulate.__main__ import main
+
+    out = tmp_path / "report.json"
+    argv = ["benchmarks.sim_models:llama_tiny", "--devices", "8", "--seq-len", "16", "--json", str(out)]
+    assert main(argv) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["collectives_per_step"]["reduce_scatter"] == 3  # two blocks and the root
+    assert report["device_bytes_after_setup"] < report["peak_device_bytes"]
+    assert set(report["peak_by_phase"]) >= {"setup", "forward", "backward", "optimizer"}
+    assert main(["benchmarks.sim_models:llama_tiny", "--devices", "8", "--tensor-parallel-size", "3"]) == 1
+    assert "does not divide --devices 8" in capsys.readouterr().err
+    assert main(["benchmarks.sim_models:nope", "--devices", "8"]) == 1
+    assert "cannot load the factory" in capsys.readouterr().err

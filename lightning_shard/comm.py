@@ -38,8 +38,8 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
-    "broadcast_object_list",
-    "all_gather_object",
+    "broadcast_object",
+    "all_gather_objects",
     "all_gather_list",
     "barrier",
     "served_device_types",
@@ -242,27 +242,6 @@ def all_gather_list(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torc
     return gathered
 
 
-def broadcast_object_list(objects: list, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Pickle-broadcast ``objects`` in place from global rank ``src`` (torch stages them on the group's device).
-    On the simulator's fake backend, which carries no data, every rank keeps its own objects.
-
-    Example: ``box = [path]; broadcast_object_list(box)``.
-    """
-    _record("broadcast_object", torch.empty(0))
-    if _carries_data(group):
-        dist.broadcast_object_list(objects, src=src, group=group)
-
-
-def all_gather_object(objects: list, obj: object, group: dist.ProcessGroup | None = None) -> None:
-    """Fill ``objects`` (one slot per rank) with every rank's picklable ``obj`` (on the simulator's fake
-    backend, with this rank's ``obj`` in every slot)."""
-    _record("all_gather_object", torch.empty(0))
-    if _carries_data(group):
-        dist.all_gather_object(objects, obj, group=group)
-    else:
-        objects[:] = [obj] * len(objects)
-
-
 def barrier(group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
     """Wait for every rank of ``group``; on an NCCL group pass this rank's ``device`` (as Lightning does)."""
     if device is not None and device.type == "cuda" and "cpu" not in served_device_types(group):
@@ -284,22 +263,29 @@ def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None 
     """``obj`` from global rank ``src`` on every rank of ``group`` (pickled; for small control values).
 
     torch's ``broadcast_object_list`` puts the pickled bytes on the device the group serves (the current CUDA
-    device for NCCL, the CPU for gloo), so this is safe on any backend.
+    device for NCCL, the CPU for gloo), so this is safe on any backend. On the simulator's fake backend, which
+    carries no data, every rank keeps its own ``obj``.
 
     Example: ``ckpt_id = broadcast_object(os.urandom(7).hex() if rank == 0 else None)``.
     """
+    _record("broadcast_object", torch.empty(0))
+    if not _carries_data(group):
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
-    """Every rank's ``obj``, in rank order, on every rank of ``group`` (pickled; device chosen by torch).
+    """Every rank's ``obj``, in rank order, on every rank of ``group`` (pickled; device chosen by torch; on
+    the simulator's fake backend, this rank's ``obj`` in every slot).
 
     Also a barrier that is correct on any backend: no rank returns before every rank has called it.
 
     Example: ``all_ok = all(all_gather_objects(ok))``.
     """
-    out: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _record("all_gather_object", torch.empty(0))
+    out: list[object] = [obj] * dist.get_world_size(group)
+    if _carries_data(group):
+        dist.all_gather_object(out, obj, group=group)
     return out

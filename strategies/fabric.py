@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -49,6 +48,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_shard import comm
 from lightning_shard.checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -299,9 +299,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
     def broadcast(self, obj, src: int = 0):
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return comm.broadcast_object(obj, src)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

@@ -162,8 +162,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     model.to_empty(device=device)
     handle = handle_for(device)
     states = [torch.get_rng_state(), handle.get_rng_state()]
-    synced = list(states)
-    comm.broadcast_object_list(synced, src=0)
+    synced = comm.broadcast_object(states, src=0)
     torch.set_rng_state(synced[0])
     if synced[1] is not None:
         handle.set_rng_state(synced[1])

@@ -583,9 +583,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def broadcast(self, obj, src: int = 0):
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        comm.broadcast_object_list(box, src)
-        return box[0]
+        return comm.broadcast_object(obj, src)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
         if isinstance(tensor, torch.Tensor):

@@ -23,9 +23,6 @@ COLLECTIVES = {
 # Files that still call torch.distributed collectives directly, each with the reason. Keep this list short.
 ALLOWED = {
     "lightning_shard/comm.py": "the one place that calls them",
-    # The checkpoint package's broadcasts are being moved onto comm by the checkpoint work (save_load.py
-    # broadcasts host tensors on the default group); until then they are listed here, not hidden.
-    "lightning_shard/checkpoint/save_load.py": "checkpoint broadcasts, moving to comm",
     # DTensor.from_local(run_check=True) compares shapes with an object all-gather (tensor package).
     "lightning_shard/tensor/dtensor.py": "from_local run_check object all-gather",
 }

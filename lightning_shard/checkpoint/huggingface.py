@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_shard import comm
 from lightning_shard.checkpoint._consolidate import _SAFETENSORS_DTYPES
 from lightning_shard.tensor import DTensor
 
@@ -307,9 +308,8 @@ def _raise_everywhere(error: BaseException | None, rank: int) -> None:
         if error is not None:
             raise error
         return
-    message = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(message, src=0)
+    message = comm.broadcast_object(None if error is None else f"{type(error).__name__}: {error}", src=0)
     if error is not None:
         raise error
-    if message[0] is not None:
-        raise RuntimeError(f"save_hf_pretrained: rank 0 failed to write the files: {message[0]}")
+    if message is not None:
+        raise RuntimeError(f"save_hf_pretrained: rank 0 failed to write the files: {message}")

@@ -196,6 +196,8 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
     target = tuple(target)
     if tuple(spec.placements) == target:
         return local
+    if local.is_conj() or local.is_neg():
+        local = local.resolve_conj().resolve_neg()  # collectives move raw memory, not the lazy conj/neg bits
     st = _State(local, spec)
     ndim = len(spec.shape)
 

@@ -78,6 +78,7 @@ def _gather(lib, tree):
 
 
 def _compare(got, want, what: str) -> None:
+    want = pytree.tree_map(lambda x: x, want)  # the same container types as a mapped result (torch.Size -> tuple)
     gl, gt = pytree.tree_flatten(got)
     wl, wt = pytree.tree_flatten(want)
     if gt != wt:
@@ -93,7 +94,7 @@ def _compare(got, want, what: str) -> None:
             if not torch.allclose(g.resolve_neg().double(), w.resolve_neg().double(), RTOL, ATOL, equal_nan=True):
                 raise Wrong(f"{what}: values differ (max abs diff {(g.double() - w.double()).abs().max():.3g})")
         elif isinstance(w, float) and isinstance(g, float):
-            if not (abs(g - w) <= ATOL + RTOL * abs(w) or (g != g and w != w)):
+            if not (g == w or abs(g - w) <= ATOL + RTOL * abs(w) or (g != g and w != w)):
                 raise Wrong(f"{what}: {g} != {w}")
         elif g != w:
             raise Wrong(f"{what}: {g!r} != {w!r}")
@@ -118,8 +119,14 @@ def _samples(opinfo, n: int):
     return out
 
 
+# Ops whose outputs are uninitialised memory: nothing to compare.
+_UNINITIALISED = ("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided")
+
+
 def _prepare(opinfo, n_samples: int):
     """(usable samples with the plain results, or the reason there are none)."""
+    if opinfo.name in _UNINITIALISED:
+        return [], "uninitialised memory"
     op = opinfo.op
     try:
         samples = _samples(opinfo, n_samples)
@@ -238,6 +245,9 @@ def _worker(rank: int, world: int, port: int, argv: dict) -> None:
             for name in argv["libs"]:
                 if (op_key(opinfo), name) in done:
                     continue
+                if rank == 0:  # lets the parent name the unit if a rank dies (gloo aborts on some mismatches)
+                    log.write(json.dumps(["__start__", op_key(opinfo), name, ""]) + "\n")
+                    log.flush()
                 try:
                     status, detail = run_op(opinfo, name, libs[name], argv["samples"], sync)
                     desync = False
@@ -258,17 +268,29 @@ def _worker(rank: int, world: int, port: int, argv: dict) -> None:
     dist.destroy_process_group()
 
 
-def _done(path: str) -> set:
+def _lines(path: str) -> list:
     if not Path(path).exists():
-        return set()
-    return {tuple(json.loads(line)[:2]) for line in Path(path).read_text().splitlines() if line.strip()}
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _done(path: str) -> set:
+    return {tuple(r[:2]) for r in _lines(path) if r[0] != "__start__"}
+
+
+def _record_crash(path: str) -> None:
+    """After a rank died: the unit it was running counts as an error, so the next ranks skip it."""
+    started = [r for r in _lines(path) if r[0] == "__start__"]
+    if started and (started[-1][1], started[-1][2]) not in _done(path):
+        with open(path, "a") as log:
+            log.write(json.dumps([started[-1][1], started[-1][2], "error", "a rank died (collective mismatch)"]))
+            log.write("\n")
 
 
 def _results(path: str) -> dict:
     out: dict = {}
-    for line in Path(path).read_text().splitlines():
-        key, lib, status, detail = json.loads(line)
-        if key != "__finished__":
+    for key, lib, status, detail in _lines(path):
+        if key not in ("__finished__", "__start__"):
             out.setdefault(key, {})[lib] = (status, detail)
     return out
 
@@ -295,7 +317,10 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
+        try:
+            mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
+        except mp.ProcessExitedException:
+            _record_crash(a.out)
     results = _results(a.out)
     print(table(results, a.libs))
     for lib in a.libs:

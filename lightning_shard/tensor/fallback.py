@@ -142,11 +142,24 @@ def record(func) -> None:
 _STORAGE_OPS = {"as_strided", "as_strided_", "as_strided_scatter", "as_strided_copy"}
 
 
-def _mutated_positions(func, flat_len: int, args: tuple, kwargs: dict) -> list:
-    """(argument value) of every argument ``func`` writes into, from its schema."""
+# Ops that write into arguments their schema does not mark as written (``Tensor?`` instead of ``Tensor(a!)``):
+# batch norm updates its running statistics in place when training.
+_UNDECLARED_WRITES = {
+    "aten::native_batch_norm": ("running_mean", "running_var"),
+    "aten::cudnn_batch_norm": ("running_mean", "running_var"),
+    "aten::miopen_batch_norm": ("running_mean", "running_var"),
+    "aten::batch_norm_gather_stats": ("running_mean", "running_var"),
+    "aten::batch_norm_gather_stats_with_counts": ("running_mean", "running_var"),
+}
+
+
+def _mutated_args(func, args: tuple, kwargs: dict) -> list:
+    """The tensors ``func`` writes into: those its schema marks, and the undeclared ones above."""
     out = []
+    undeclared = _UNDECLARED_WRITES.get(func._schema.name, ())
     for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
+        written = a.alias_info is not None and a.alias_info.is_write
+        if not written and a.name not in undeclared:
             continue
         v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
         if v is not None:
@@ -179,7 +192,7 @@ def run_fallback(func, args: tuple, kwargs: dict):
     flat, tree = pytree.tree_flatten((args, kwargs))
     dtensors = [a for a in flat if isinstance(a, DTensor)]
     mesh = dtensors[0]._spec.mesh
-    mutated = _mutated_positions(func, len(flat), args, kwargs)
+    mutated = _mutated_args(func, args, kwargs)
     for m in mutated:
         if not isinstance(m, DTensor):
             raise not_exact(func, "it writes into a plain tensor argument mixed with DTensors")

@@ -38,6 +38,11 @@ def _same(got, want):
     torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
 
 
+def _like(x, t, mesh):
+    """``t`` as a replicated DTensor when ``x`` is a DTensor (an index vector), else plain."""
+    return distribute_tensor(t, mesh, [Replicate()]) if isinstance(x, DTensor) else t
+
+
 @distributed(world_size=2)
 def test_dimwise_ops_keep_batch_shards_without_fallback():
     mesh = init_device_mesh("cpu", (2,))
@@ -63,7 +68,7 @@ def test_dimwise_ops_keep_batch_shards_without_fallback():
         (seq, lambda x: F.glu(x[:, :6], dim=1), Shard(0)),
         (seq, lambda x: torch.diagonal(x), Replicate()),
         (img, lambda x: torch.diagonal(x, dim1=2, dim2=3), Shard(0)),
-        (seq, lambda x: x.index_fill(1, torch.tensor([0, 3]), -1.0), Shard(0)),
+        (seq, lambda x: x.index_fill(1, _like(x, torch.tensor([0, 3]), mesh), -1.0), Shard(0)),
         (seq, lambda x: 2.0 - x, Shard(0)),
         (seq, lambda x: torch.floor_divide(x, 0.3), Shard(1)),
         (seq, F.hardswish, Shard(0)),

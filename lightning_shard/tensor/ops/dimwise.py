@@ -20,7 +20,7 @@ import torch
 
 from lightning_shard.tensor.ops._common import REPLICATE, normalize_dim
 from lightning_shard.tensor.ops._registry import OpCall, Plan, register
-from lightning_shard.tensor.ops.views import _n_outputs, same_kind
+from lightning_shard.tensor.ops.views import _n_outputs, local_shape, same_kind
 from lightning_shard.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
@@ -116,6 +116,18 @@ def _group_norm(call: OpCall, spec: DTensorSpec):
     return set(range(1, spec.ndim)), _same
 
 
+_group_norm_dims = dimwise(_group_norm, side_inputs=True)
+
+
+def _group_norm_rule(call: OpCall) -> Plan | None:
+    """``native_group_norm(input, weight, bias, N, C, HxW, group, eps)`` names the batch size: the local call
+    gets the local one."""
+    plan = _group_norm_dims(call)
+    n_local = local_shape(call.specs[0].shape, plan.inputs[0], call.mesh)[0]
+    plan.local_args = ((*call.args[:3], n_local, *call.args[4:]), call.kwargs)
+    return plan
+
+
 def _diagonal(call: OpCall, spec: DTensorSpec):
     d1 = normalize_dim(_arg(call, "dim1", 0), spec.ndim)
     d2 = normalize_dim(_arg(call, "dim2", 1), spec.ndim)
@@ -134,6 +146,11 @@ def _diag_embed(call: OpCall, spec: DTensorSpec):
 
 def _pad(call: OpCall, spec: DTensorSpec):
     return set(range(spec.ndim - len(call.args[1]) // 2, spec.ndim)), _same
+
+
+def _check_errors_rule(call: OpCall) -> Plan:
+    """The matrix functions' ``info`` check: on the whole (small) ``info``, so every rank raises alike."""
+    return Plan([tuple([REPLICATE] * call.mesh.ndim)], [])
 
 
 def _register() -> None:
@@ -194,8 +211,9 @@ def _register() -> None:
                 if "out" not in overload and "backward" not in overload:
                     register(getattr(packet, overload))(dimwise(last_dims(k)))
     register(aten.view_as_complex.default)(dimwise(last_dims(1)))
+    register(aten._linalg_check_errors.default)(_check_errors_rule)
     register(aten.constant_pad_nd.default)(dimwise(_pad))
-    register(aten.native_group_norm.default)(dimwise(_group_norm, side_inputs=True))
+    register(aten.native_group_norm.default)(_group_norm_rule)
     register(aten.diagonal.default, aten.diagonal_copy.default)(dimwise(_diagonal))
     register(aten.diag_embed.default)(dimwise(_diag_embed))
     register(aten.sort.default, aten.sort.stable, aten.cummax.default, aten.cummin.default)(

@@ -78,8 +78,11 @@ def _partial_ok(call: OpCall, partials: list[Partial], position_of_partial: list
     if op == "sum" and func in _SCALAR_SHIFTS and len(call.specs) == 1:
         return True  # the constant is added on one rank only (pointwise_rule's local_args)
     if func in _ADDITIVE:
-        # both operands must be DTensors: a plain scalar (number or 0-dim tensor) would be added once per rank
-        return all(isinstance(a, DTensor) for a in call.args[:2])
+        # a plain scalar (number or 0-dim tensor) would be added once per rank: to a sum, it is added on one
+        # rank only (pointwise_rule's local_args)
+        return all(isinstance(a, DTensor) for a in call.args[:2]) or (
+            op == "sum" and len(call.specs) == 1 and isinstance(call.args[0], DTensor)
+        )
     if func in _MULTIPLICATIVE:
         if len(position_of_partial) != 1:
             return False
@@ -101,7 +104,7 @@ def pointwise_rule(call: OpCall) -> Plan:
             inputs[j].append(_input_placement(choice, s, here[j], out_shape, call.func))
         outputs.append(choice)
     plan = Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
-    if call.func in _SCALAR_SHIFTS:
+    if call.func in _SCALAR_SHIFTS or (call.func in _ADDITIVE and not isinstance(call.args[1], DTensor)):
         plan.local_args = _shift_on_one_rank(call, inputs[0])
     return plan
 
@@ -110,7 +113,9 @@ def _shift_on_one_rank(call: OpCall, placements) -> tuple[tuple, dict] | None:
     """``x + c`` on a ``Partial("sum")`` x: ranks off index 0 of a sum-partial mesh dim add 0 instead of c."""
     coord = call.mesh.get_coordinate()
     if any(p.is_partial() and p.reduce_op == "sum" and coord[i] != 0 for i, p in enumerate(placements)):
-        return (call.args[0], 0, *call.args[2:]), call.kwargs
+        c = call.args[1]
+        zero = torch.zeros_like(c) if isinstance(c, torch.Tensor) else 0
+        return (call.args[0], zero, *call.args[2:]), call.kwargs
     return None
 
 

@@ -62,14 +62,14 @@ def dispatch(func, args: tuple, kwargs: dict):
         return fast
     call = make_call(func, args, kwargs)
     rule = find_rule(func)
-    plan = rule(call) if rule is not None else None
-    if plan is None:
-        return run_fallback(func, call.args, call.kwargs)
     try:
-        meta_out = _run_on_meta(func, call)
+        plan = rule(call) if rule is not None else None
+        meta_out = _run_on_meta(func, call) if plan is not None else None
     except NotImplementedError:
-        # No meta kernel: the rule cannot learn the output shapes, the fallback needs none (its outputs are
-        # replicated, so local shapes are global ones).
+        # No meta kernel: the rule (or the dispatcher) cannot learn the output shapes; the fallback needs none
+        # (its outputs are replicated, so local shapes are global ones).
+        return run_fallback(func, call.args, call.kwargs)
+    if plan is None:
         return run_fallback(func, call.args, call.kwargs)
     return run_plan(call, plan, meta_out)
 

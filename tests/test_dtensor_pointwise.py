@@ -64,7 +64,7 @@ def test_partial_survives_only_linear_ops():
         (pa / r, a / b, Partial("sum")),
         (-pa, -a, Partial("sum")),
         (pa * pb, a * b, Replicate()),  # not linear: reduced first
-        (pa + 1.0, a + 1.0, Replicate()),  # a constant would be added once per rank
+        (pa + 1.0, a + 1.0, Partial("sum")),  # the constant is added on one rank only
         (torch.exp(pa), torch.exp(a), Replicate()),
     ]
     for got, want, placement in cases:

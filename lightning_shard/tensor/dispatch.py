@@ -5,8 +5,8 @@ a scalar; (2) ask the op's rule (``ops/``) for a plan; (3) redistribute inputs t
 (4) run the op on meta tensors with the global shapes to learn the outputs' global shapes and strides;
 (5) run the op on the local shards and wrap the results as DTensors.
 
-Ops without a rule are computed on replicated inputs: correct, slower, warned once per op name and counted
-in ``fallback_counts()`` so coverage gaps are visible (tests assert it stays empty on reference models).
+Ops without a rule go to the replicate fallback (``fallback.py``): computed on replicated inputs, counted in
+``fallback_counts()`` and warned about once per op, or refused under ``fallback_policy("error")``.
 
 Example::
 
@@ -18,13 +18,12 @@ Example::
 from __future__ import annotations
 
 import functools
-import warnings
-from collections import Counter
 
 import torch
 import torch.utils._pytree as pytree
 
 from lightning_shard.tensor.dtensor import DTensor
+from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.ops._registry import OpCall, Plan, find_rule, is_inplace
 from lightning_shard.tensor.placements import Replicate
@@ -33,22 +32,7 @@ from lightning_shard.tensor.spec import DTensorSpec
 
 __all__ = ["dispatch", "fallback_counts", "reset_fallback_counts"]
 
-_FALLBACKS: Counter = Counter()
-_WARNED: set[str] = set()
-_CUSTOM: dict = {}  # ops handled end to end by a function (random ops, _foreach_*, non-tensor results)
-
-
-def fallback_counts() -> dict[str, int]:
-    """How many times each op ran through the Replicate-and-compute fallback (op name -> count).
-
-    Example: ``assert fallback_counts() == {}`` after a training step means every op had a sharding rule.
-    """
-    return dict(_FALLBACKS)
-
-
-def reset_fallback_counts() -> None:
-    """Forget the fallback counts (warnings already given stay given)."""
-    _FALLBACKS.clear()
+_CUSTOM: dict = {}  # ops handled end to end by a function (random ops, _foreach_*, in-place views, ...)
 
 
 def register_custom(*ops):
@@ -78,10 +62,16 @@ def dispatch(func, args: tuple, kwargs: dict):
         return fast
     call = make_call(func, args, kwargs)
     rule = find_rule(func)
-    plan = rule(call) if rule is not None else None
+    try:
+        plan = rule(call) if rule is not None else None
+        meta_out = _run_on_meta(func, call) if plan is not None else None
+    except NotImplementedError:
+        # No meta kernel: the rule (or the dispatcher) cannot learn the output shapes; the fallback needs none
+        # (its outputs are replicated, so local shapes are global ones).
+        return run_fallback(func, call.args, call.kwargs)
     if plan is None:
-        return _fallback(call)
-    return run_plan(call, plan)
+        return run_fallback(func, call.args, call.kwargs)
+    return run_plan(call, plan, meta_out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -148,6 +138,12 @@ def _same_layout_pointwise(func, args: tuple, kwargs: dict):
     out = func(*local_args, **kwargs)
     if kind == _IN_PLACE:
         return args[0]
+    if isinstance(out, tuple):  # frexp: (mantissa, exponent), each laid out like the input
+        return tuple(_like(o, spec) for o in out)
+    return _like(out, spec)
+
+
+def _like(out: torch.Tensor, spec: DTensorSpec) -> DTensor:
     if out.dtype != spec.dtype:
         spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, out.dtype)
     return DTensor(out, spec, requires_grad=False)
@@ -155,7 +151,7 @@ def _same_layout_pointwise(func, args: tuple, kwargs: dict):
 
 def make_call(func, args: tuple, kwargs: dict) -> OpCall:
     """Collect the DTensor arguments of one op call and check them (same mesh, no non-scalar plain tensor)."""
-    flat, _ = pytree.tree_flatten((args, kwargs))
+    flat, tree = pytree.tree_flatten((args, kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
     specs = [flat[i]._spec for i in positions]
     mesh = specs[0].mesh
@@ -165,17 +161,28 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                 f"{func}: DTensor arguments live on different meshes ({mesh} and {s.mesh}); "
                 "redistribute them onto one mesh first"
             )
-    for a in flat:
+    promoted = False
+    for i, a in enumerate(flat):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            raise RuntimeError(
-                f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
-                f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
-                "DTensor.from_local() first (only 0-dim scalar tensors may be mixed)"
+            if a.numel() != 1:
+                raise RuntimeError(
+                    f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
+                    f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
+                    "DTensor.from_local() first (only tensors of one element may be mixed)"
+                )
+            # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate.
+            flat[i] = DTensor(
+                a, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype), requires_grad=False
             )
+            promoted = True
+    if promoted:
+        args, kwargs = pytree.tree_unflatten(flat, tree)
+        positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
+        specs = [flat[i]._spec for i in positions]
     return OpCall(func, args, kwargs, flat, positions, specs, mesh)
 
 
-def run_plan(call: OpCall, plan: Plan):
+def run_plan(call: OpCall, plan: Plan, meta_out=None):
     """Redistribute inputs as planned, run the op on local shards, wrap outputs as DTensors."""
     func = call.func
     inplace = is_inplace(func)
@@ -194,7 +201,8 @@ def run_plan(call: OpCall, plan: Plan):
             )
         local_flat[pos] = redistribute_local(t._local_tensor, t._spec, want)
     local_args, local_kwargs = pytree.tree_unflatten(local_flat, tree)
-    meta_out = _run_on_meta(func, call)
+    if meta_out is None and not inplace:
+        meta_out = _run_on_meta(func, call)
     local_out = func(*local_args, **local_kwargs)
     if inplace:
         return call.args[0]
@@ -229,32 +237,11 @@ def _to_meta(a):
 
 def _run_on_meta(func, call: OpCall):
     args, kwargs = pytree.tree_map(_to_meta, (call.args, call.kwargs))
+    if kwargs.get("device") is not None:
+        kwargs = {**kwargs, "device": "meta"}  # x.to("cpu", copy=True) must not copy out of the meta tensor
     return func(*args, **kwargs)
 
 
 def _fallback(call: OpCall):
-    """Replicate every DTensor argument, compute on full tensors, return Replicate outputs."""
-    name = str(call.func)
-    _FALLBACKS[name] += 1
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(
-            f"lightning_shard DTensor: no sharding rule for {name}; computing it on replicated inputs "
-            "(correct but slow). See lightning_shard.tensor.fallback_counts().",
-            stacklevel=3,
-        )
-    replicate = [tuple([Replicate()] * call.mesh.ndim)] * len(call.specs)
-    if is_inplace(call.func):
-        self_t: DTensor = call.args[0]
-        full = DTensor(
-            redistribute_local(self_t._local_tensor, self_t._spec, replicate[0]).clone(),
-            self_t._spec.with_placements(replicate[0]),
-            requires_grad=False,
-        )
-        args = (full, *call.args[1:])
-        result = run_plan(make_call(call.func, args, call.kwargs), Plan(replicate, [replicate[0]]))
-        self_t._local_tensor.copy_(redistribute_local(result._local_tensor, result._spec, self_t.placements))
-        return self_t
-    meta_out = _run_on_meta(call.func, call)
-    n_out = sum(isinstance(m, torch.Tensor) for m in pytree.tree_leaves(meta_out))
-    return run_plan(call, Plan(replicate, [replicate[0]] * n_out))
+    """The replicate fallback for an already collected call (kept for callers outside ``lightning_shard.tensor``)."""
+    return run_fallback(call.func, call.args, call.kwargs)

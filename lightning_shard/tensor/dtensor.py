@@ -47,6 +47,13 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        # The conjugate and negative bits are lazy views: the wrapper must carry the local tensor's, or torch
+        # would read the wrapper as already resolved (conj(x) * 2 would lose the conjugation). torch's DTensor
+        # does the same.
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         return r
 
     # Ops skip __torch_function__ and go straight to __torch_dispatch__ (below autograd).

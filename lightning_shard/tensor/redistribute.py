@@ -188,6 +188,9 @@ class _State:
         )
 
 
+_CARRIERS = {torch.int16: torch.int32, torch.uint16: torch.int32}
+
+
 def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement]) -> torch.Tensor:
     """The local shard, under ``target`` placements, of the DTensor whose local shard is ``local``.
 
@@ -196,6 +199,13 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
     target = tuple(target)
     if tuple(spec.placements) == target:
         return local
+    if local.is_conj() or local.is_neg():
+        local = local.resolve_conj().resolve_neg()  # collectives move raw memory, not the lazy conj/neg bits
+    carrier = _CARRIERS.get(local.dtype)
+    if carrier is not None:
+        # gloo and NCCL have no 16-bit integer collectives: move (and sum, modulo 2**16 after the cast back,
+        # as 16-bit arithmetic does) the values as int32
+        return redistribute_local(local.to(carrier), spec, target).to(local.dtype)
     st = _State(local, spec)
     ndim = len(spec.shape)
 

@@ -11,6 +11,8 @@ from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor._layout import local_shape_and_offset
 from lightning_shard.tensor.placements import Placement
 
+_LAYOUT_TOKENS: dict[tuple, int] = {}  # grows by one entry per distinct (mesh, placements, shape)
+
 
 @dataclass(frozen=True)
 class DTensorSpec:
@@ -53,6 +55,24 @@ class DTensorSpec:
     @cached_property
     def _has_partial(self) -> bool:  # asked on every op (dispatch fast path): computed once per spec
         return any(p.is_partial() for p in self.placements)
+
+    @cached_property
+    def layout_token(self) -> int:
+        """A small int equal for two specs exactly when their mesh, placements and shape are equal (their
+        shards then line up element for element): computed once per spec, so the foreach fast path compares
+        hundreds of specs per optimizer op at int speed."""
+        key = (self.mesh, tuple(repr(p) for p in self.placements), tuple(self.shape))
+        return _LAYOUT_TOKENS.setdefault(key, len(_LAYOUT_TOKENS))
+
+    @cached_property
+    def is_dense(self) -> bool:
+        """Whether the strides lay the shape out densely (a permutation of contiguous strides)."""
+        expected = 1
+        for size, st in sorted(zip(self.shape, self.stride), key=lambda d: d[1]):
+            if size != 1 and st != expected:
+                return False
+            expected *= size
+        return True
 
     def __hash__(self) -> int:
         return hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype))

@@ -1,5 +1,13 @@
-"""``_foreach_*`` ops (optimizers, ``clip_grad_norm_``): run the per-tensor op on each element through
-``dispatch``, so every element uses its own sharding rule (and keeps its own placements for in-place ops).
+"""``_foreach_*`` ops (optimizers, ``clip_grad_norm_``).
+
+Fast path: a pointwise foreach op (``add``, ``mul``, ``lerp``, ``addcdiv``, ``sqrt`` ...) whose i-th tensors
+share one layout (same mesh, shape and placements, no ``Partial``; dense for out-of-place ops), for every i,
+is one foreach call over the local shards: each output has its element's layout, so no rule, redistribution
+or meta run is needed. Other arguments pass through unchanged, a ``scalars`` tensor included (no ``.item()``
+per element). This is the optimizer step of FSDP (every parameter, gradient and state ``Shard(0)``).
+
+Otherwise, each element goes through ``dispatch`` with its own per-tensor op, so every element uses its own
+sharding rule (and keeps its own placements for in-place ops).
 
 The per-tensor op is found by name: ``_foreach_add_.List`` -> ``add_`` with the overload that accepts the
 element arguments (``Tensor[]`` -> the i-th tensor, ``Scalar[]`` -> the i-th scalar, a ``scalars`` tensor
@@ -15,12 +23,15 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
 
 from lightning_shard.tensor.dispatch import dispatch, register_custom
 from lightning_shard.tensor.dtensor import DTensor
+from lightning_shard.tensor.ops._registry import is_inplace
+from lightning_shard.tensor.spec import DTensorSpec
 
 aten = torch.ops.aten
 
@@ -114,8 +125,116 @@ def _element(base: str, values: list, inplace: bool):
     return out
 
 
+# Foreach ops that apply an elementwise op to each element (max, norm, powsum reduce; mm multiplies): on
+# elements that share one layout, the local foreach computes each element's own shard exactly.
+_ELEMENTWISE = frozenset(
+    [
+        "abs",
+        "acos",
+        "add",
+        "addcdiv",
+        "addcmul",
+        "asin",
+        "atan",
+        "ceil",
+        "clamp_max",
+        "clamp_min",
+        "clone",
+        "copy",
+        "cos",
+        "cosh",
+        "div",
+        "erf",
+        "erfc",
+        "exp",
+        "expm1",
+        "floor",
+        "frac",
+        "lerp",
+        "lgamma",
+        "log",
+        "log10",
+        "log1p",
+        "log2",
+        "maximum",
+        "minimum",
+        "mul",
+        "neg",
+        "pow",
+        "reciprocal",
+        "round",
+        "rsqrt",
+        "sigmoid",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "sub",
+        "tan",
+        "tanh",
+        "trunc",
+        "zero",
+    ]
+)
+
+
+@functools.cache
+def _is_pointwise_foreach(func) -> bool:
+    return func._schema.name.split("::")[1][len("_foreach_") :].rstrip("_") in _ELEMENTWISE
+
+
+_NOT_APPLICABLE = object()
+
+
+def _local_foreach(func, args: tuple, kwargs: dict):
+    """The fast path of the module docstring (its result), or ``_NOT_APPLICABLE``. Runs once per optimizer op
+    over every parameter, so the per-element checks read only cached spec facts."""
+    if not _is_pointwise_foreach(func) or any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values()):
+        return _NOT_APPLICABLE
+    inplace = is_inplace(func)
+    first = args[0]
+    if not isinstance(first, (list, tuple)) or not first or not all(isinstance(x, DTensor) for x in first):
+        return _NOT_APPLICABLE
+    specs = [x._spec for x in first]
+    if any(s.has_partial() for s in specs) or (not inplace and not all(s.is_dense for s in specs)):
+        return _NOT_APPLICABLE
+    tokens = [s.layout_token for s in specs]
+    local_args = [[x._local_tensor for x in first]]
+    for i, a in enumerate(args[1:], start=1):
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            if len(a) != len(first) or not all(isinstance(y, DTensor) for y in a):
+                return _NOT_APPLICABLE
+            if [y._spec.layout_token for y in a] != tokens:
+                return _NOT_APPLICABLE
+            if not inplace and [y._spec.stride for y in a] != [s.stride for s in specs]:
+                return _NOT_APPLICABLE
+            local_args.append([y._local_tensor for y in a])
+        elif isinstance(a, DTensor):
+            if a.ndim > 0 or a._spec.has_partial():
+                return _NOT_APPLICABLE
+            local_args.append(a._local_tensor)  # a replicated 0-dim DTensor: the same value on every rank
+        elif isinstance(a, torch.Tensor) and a.ndim > 0 and func._schema.arguments[i].name != "scalars":
+            return _NOT_APPLICABLE
+        else:
+            local_args.append(a)
+    out = func(*local_args, **kwargs)
+    if inplace:
+        return None
+    return [_wrap_like(o, s) for o, s in zip(out, specs)]
+
+
+def _wrap_like(out: torch.Tensor, spec) -> DTensor:
+    if out.dtype != spec.dtype:
+        spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, out.dtype)
+    return DTensor(out, spec, requires_grad=False)
+
+
 def foreach_handler(func, args: tuple, kwargs: dict):
-    """Run a ``_foreach_*`` op element by element through the per-tensor ops' rules."""
+    """Run a ``_foreach_*`` op as one local foreach call, or element by element through the per-tensor
+    ops' rules."""
+    fast = _local_foreach(func, args, kwargs)
+    if fast is not _NOT_APPLICABLE:
+        return fast
     schema = func._schema
     name = schema.name.split("::")[1][len("_foreach_") :]
     inplace = name.endswith("_")

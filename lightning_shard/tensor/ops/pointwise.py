@@ -42,11 +42,14 @@ _AVG_SHIFTS = {
     aten.sub.Tensor,
     aten.sub_.Tensor,
 }
+# Adding a constant to a sum of terms: one rank adds it, the others add 0.
+_SCALAR_SHIFTS = {aten.add.Scalar, aten.add_.Scalar, aten.sub.Scalar, aten.sub_.Scalar}
 _COPIES = {
     aten.clone.default,
     aten._to_copy.default,
     aten.detach.default,
     aten.alias.default,
+    aten.alias_copy.default,
     aten.copy_.default,
     aten.positive.default,
     aten.lift_fresh.default,
@@ -72,9 +75,14 @@ def _partial_ok(call: OpCall, partials: list[Partial], position_of_partial: list
         return True
     if op == "avg" and func in _AVG_SHIFTS and len(call.specs) == 1:
         return True  # e.g. rms_norm's mean(x^2) + eps on a tensor sharded along the normalized dim
+    if op == "sum" and func in _SCALAR_SHIFTS and len(call.specs) == 1:
+        return True  # the constant is added on one rank only (pointwise_rule's local_args)
     if func in _ADDITIVE:
-        # both operands must be DTensors: a plain scalar (number or 0-dim tensor) would be added once per rank
-        return all(isinstance(a, DTensor) for a in call.args[:2])
+        # a plain scalar (number or 0-dim tensor) would be added once per rank: to a sum, it is added on one
+        # rank only (pointwise_rule's local_args)
+        return all(isinstance(a, DTensor) for a in call.args[:2]) or (
+            op == "sum" and len(call.specs) == 1 and isinstance(call.args[0], DTensor)
+        )
     if func in _MULTIPLICATIVE:
         if len(position_of_partial) != 1:
             return False
@@ -95,7 +103,20 @@ def pointwise_rule(call: OpCall) -> Plan:
         for j, s in enumerate(specs):
             inputs[j].append(_input_placement(choice, s, here[j], out_shape, call.func))
         outputs.append(choice)
-    return Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
+    plan = Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
+    if call.func in _SCALAR_SHIFTS or (call.func in _ADDITIVE and not isinstance(call.args[1], DTensor)):
+        plan.local_args = _shift_on_one_rank(call, inputs[0])
+    return plan
+
+
+def _shift_on_one_rank(call: OpCall, placements) -> tuple[tuple, dict] | None:
+    """``x + c`` on a ``Partial("sum")`` x: ranks off index 0 of a sum-partial mesh dim add 0 instead of c."""
+    coord = call.mesh.get_coordinate()
+    if any(p.is_partial() and p.reduce_op == "sum" and coord[i] != 0 for i, p in enumerate(placements)):
+        c = call.args[1]
+        zero = torch.zeros_like(c) if isinstance(c, torch.Tensor) else 0
+        return (call.args[0], zero, *call.args[2:]), call.kwargs
+    return None
 
 
 def _choose(call: OpCall, here: list[Placement], out_shape, inplace: bool) -> Placement:
@@ -143,7 +164,18 @@ def _with_dim(p: Placement, dim: int) -> Placement:
 
 
 def _register_all() -> None:
-    explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | _AVG_SHIFTS | {aten.fill_.Scalar}
+    # elementwise ops torch does not tag as pointwise
+    untagged = {
+        aten.rsub.Tensor,
+        aten.rsub.Scalar,
+        aten.floor_divide.default,
+        aten.floor_divide.Scalar,
+        aten.floor_divide_.Tensor,
+        aten.floor_divide_.Scalar,
+        aten.hardswish.default,
+        aten.hardswish_.default,
+    }
+    explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | _AVG_SHIFTS | {aten.fill_.Scalar} | untagged
     for op in explicit:
         RULES[op] = pointwise_rule
     for name in dir(aten):

@@ -200,7 +200,7 @@ def view_dtype_rule(call: OpCall) -> Plan:
 def transpose_rule(call: OpCall) -> Plan:
     (spec,) = call.specs
     n = spec.ndim
-    if call.func == aten.t.default:
+    if call.func.overloadpacket in (aten.t, aten.t_copy):
         d0, d1 = (0, 1) if n == 2 else (0, 0)
     else:
         d0, d1 = normalize_dim(call.args[1], n), normalize_dim(call.args[2], n)
@@ -408,6 +408,8 @@ def _all_replicated(call: OpCall, k: int) -> Placements:
 def index_select_rule(call: OpCall) -> Plan:
     """``self`` keeps shards off ``dim``; a Shard(0) index with ``self`` whole on ``dim`` shards the output."""
     self_spec, idx_spec = call.specs
+    if self_spec.ndim == 0:  # a 0-dim self takes exactly one index on every rank: nothing to shard
+        return Plan([_all_replicated(call, 0), _all_replicated(call, 1)], [_all_replicated(call, 0)])
     dim = normalize_dim(call.args[1], self_spec.ndim)
     s_in, i_in, outs = [], [], []
     for p, q in zip(self_spec.placements, idx_spec.placements):
@@ -516,6 +518,8 @@ def gather_rule(call: OpCall) -> Plan:
     """``out[i][j] = self[index[i][j]][j]`` (dim 0): an index shard along ``dim`` shards the output while
     ``self`` is whole on ``dim``; other dims stay sharded when ``self`` and ``index`` agree in length."""
     self_spec, idx_spec = call.specs
+    if self_spec.ndim == 0:  # a 0-dim self takes exactly one index on every rank: nothing to shard
+        return Plan([_all_replicated(call, 0), _all_replicated(call, 1)], [_all_replicated(call, 0)])
     dim = normalize_dim(call.args[1], self_spec.ndim)
     s_in, i_in, outs = [], [], []
     for p, q in zip(self_spec.placements, idx_spec.placements):
@@ -612,3 +616,41 @@ def index_handler(func, args: tuple, kwargs: dict):
     stride = tuple(torch.empty(shape, device="meta").stride())
     spec = DTensorSpec(call.mesh, plan.outputs[0], torch.Size(shape), stride, out.dtype)
     return DTensor(out, spec, requires_grad=False)
+
+
+def _register_copy_variants() -> None:
+    """``view_copy``, ``permute_copy``, ``unsafe_split`` ...: the same layout as their view, without aliasing."""
+    from lightning_shard.tensor.ops._registry import RULES
+
+    pairs = [
+        (name, name + "_copy")
+        for name in (
+            "view",
+            "permute",
+            "expand",
+            "alias",
+            "t",
+            "transpose",
+            "unsqueeze",
+            "squeeze",
+            "slice",
+            "select",
+            "split",
+            "split_with_sizes",
+            "unbind",
+            "detach",
+            "diagonal",
+        )
+    ]
+    pairs += [("split", "unsafe_split"), ("split_with_sizes", "unsafe_split_with_sizes")]
+    for view_name, copy_name in pairs:
+        view, copy = getattr(aten, view_name, None), getattr(aten, copy_name, None)
+        if view is None or copy is None:
+            continue
+        for overload in copy.overloads():
+            rule = RULES.get(getattr(view, overload, None)) if overload in view.overloads() else None
+            if rule is not None and "out" not in overload:
+                RULES[getattr(copy, overload)] = rule
+
+
+_register_copy_variants()

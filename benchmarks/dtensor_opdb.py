@@ -1,0 +1,335 @@
+"""DTensor coverage on torch's operator database: our DTensor and torch's, one harness, 2 gloo ranks.
+
+For every OpInfo in ``torch.testing._internal.common_methods_invocations.op_db`` (the data behind torch's
+own ``test_dtensor_ops``): float32 forward samples (the first ``--samples``), each run twice per library,
+once with every tensor argument ``Replicate()`` and once with every tensor argument of 1 dim or more
+``Shard(0)``. Each result (every output, and every tensor argument, so in-place changes count) is gathered
+and compared with the plain op on the same sample. Per library an op is
+
+- ``clean``: every run matches and none went through a fallback (ours: ``fallback_counts()``);
+- ``fallback``: every run matches, some through our replicate fallback (torch's DTensor has none);
+- ``wrong``: some run returned a result that differs (values, shape or dtype) -- the worst outcome;
+- ``error``: some run raised (and none was wrong);
+- ``skipped``: no sample could be compared (the plain op raises, or the op is random: two plain runs with
+  different seeds differ), with the reason.
+
+Run (about 10 minutes on 2 busy CPU cores)::
+
+    python benchmarks/dtensor_opdb.py --out runs/dtensor_opdb.jsonl
+    python benchmarks/dtensor_opdb.py --ops squeeze matmul stft     # a few ops, printed per op
+
+The table printed at the end is the one in docs/dtensor.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_shard
+
+LIBS = ("ours", "torch")
+STATUSES = ("clean", "fallback", "wrong", "error", "skipped")
+RTOL = ATOL = 1e-4  # float32 sums over shards add in another order than the plain op
+
+
+class Wrong(Exception):
+    """A DTensor result differs from the plain op's."""
+
+
+def _libs(mesh_ours, mesh_torch) -> dict:
+    import torch.distributed.tensor as tdt
+
+    import lightning_shard.tensor as ls
+
+    return {
+        "ours": (mesh_ours, ls.distribute_tensor, ls.Shard, ls.Replicate, ls.DTensor),
+        "torch": (mesh_torch, tdt.distribute_tensor, tdt.Shard, tdt.Replicate, tdt.DTensor),
+    }
+
+
+def _distribute(lib, tree, shard: bool):
+    mesh, distribute, Shard, Replicate, _ = lib
+
+    def conv(x):
+        if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+            return x
+        placement = Shard(0) if shard and x.ndim >= 1 else Replicate()
+        return distribute(x.detach().clone(), mesh, [placement])
+
+    return pytree.tree_map(conv, tree)
+
+
+def _gather(lib, tree):
+    dtensor_type = lib[4]
+    return pytree.tree_map(lambda x: x.full_tensor() if isinstance(x, dtensor_type) else x, tree)
+
+
+def _compare(got, want, what: str) -> None:
+    want = pytree.tree_map(lambda x: x, want)  # the same container types as a mapped result (torch.Size -> tuple)
+    gl, gt = pytree.tree_flatten(got)
+    wl, wt = pytree.tree_flatten(want)
+    if gt != wt:
+        raise Wrong(f"{what}: structure {gt} != {wt}")
+    for g, w in zip(gl, wl):
+        if isinstance(w, torch.Tensor):
+            if not isinstance(g, torch.Tensor):
+                raise Wrong(f"{what}: got {type(g).__name__}, expected a tensor")
+            if g.shape != w.shape or g.dtype != w.dtype:
+                raise Wrong(f"{what}: shape/dtype {tuple(g.shape)} {g.dtype} != {tuple(w.shape)} {w.dtype}")
+            if w.is_complex():
+                g, w = torch.view_as_real(g.resolve_conj()), torch.view_as_real(w.resolve_conj())
+            if not torch.allclose(g.resolve_neg().double(), w.resolve_neg().double(), RTOL, ATOL, equal_nan=True):
+                raise Wrong(f"{what}: values differ (max abs diff {(g.double() - w.double()).abs().max():.3g})")
+        elif isinstance(w, float) and isinstance(g, float):
+            if not (g == w or abs(g - w) <= ATOL + RTOL * abs(w) or (g != g and w != w)):
+                raise Wrong(f"{what}: {g} != {w}")
+        elif g != w:
+            raise Wrong(f"{what}: {g!r} != {w!r}")
+
+
+def _plain(op, sample, seed: int):
+    """The plain op's outputs and (possibly mutated) arguments, on copies of the sample."""
+    torch.manual_seed(seed)
+    args = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (sample.input, sample.args))
+    kwargs = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, sample.kwargs)
+    out = op(args[0], *args[1], **kwargs)
+    return out, (args, kwargs)
+
+
+def _samples(opinfo, n: int):
+    torch.manual_seed(0)  # every rank draws the same samples
+    out = []
+    for s in opinfo.sample_inputs("cpu", torch.float32, requires_grad=False):
+        out.append(s)
+        if len(out) == n:
+            break
+    return out
+
+
+# Ops whose outputs are uninitialised memory: nothing to compare.
+_UNINITIALISED = ("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided")
+
+
+def _prepare(opinfo, n_samples: int):
+    """(usable samples with the plain results, or the reason there are none)."""
+    if opinfo.name in _UNINITIALISED:
+        return [], "uninitialised memory"
+    op = opinfo.op
+    try:
+        samples = _samples(opinfo, n_samples)
+    except Exception as e:  # noqa: BLE001 -- an OpInfo that cannot build samples here
+        return [], f"samples: {type(e).__name__}"
+    usable, reason = [], "no samples"
+    for s in samples:
+        try:
+            want, want_args = _plain(op, s, seed=1)
+            other, _ = _plain(op, s, seed=2)
+            _compare(other, want, "")
+        except Wrong:
+            reason = "random"
+            continue
+        except Exception as e:  # noqa: BLE001
+            reason = f"plain op raises {type(e).__name__}"
+            continue
+        usable.append((s, want, want_args))
+    return usable, reason
+
+
+_BROKEN_GROUP = ("Timed out", "timeout", "pair closure", "Connection closed", "Connection reset")
+
+
+class Desync(Exception):
+    """The ranks disagreed on how a run ended (one raised, the other did not, or one hangs)."""
+
+
+def run_op(opinfo, name: str, lib, n_samples: int, sync=None) -> tuple[str, str]:
+    """(status, detail) of one OpInfo through one library. ``sync(status)`` compares how each run ended
+    across ranks and raises ``Desync`` when they differ (the process group may then hold stray messages)."""
+    from lightning_shard.tensor import fallback_counts, reset_fallback_counts
+
+    usable, reason = _prepare(opinfo, n_samples)
+    if not usable:
+        return "skipped", reason
+    op = opinfo.op
+    status, detail = "clean", ""
+    reset_fallback_counts()
+    for k, (s, want, want_args) in enumerate(usable):
+        for shard in (False, True):
+            where = f"sample {k} {'Shard(0)' if shard else 'Replicate'}"
+            ended = "ok"
+            try:
+                torch.manual_seed(1)
+                args = _distribute(lib, (s.input, s.args), shard)
+                kwargs = _distribute(lib, s.kwargs, shard)
+                out = op(args[0], *args[1], **kwargs)
+                _compare(_gather(lib, out), want, f"{where} output")
+                _compare(_gather(lib, (args, kwargs)), want_args, f"{where} arguments")
+            except Wrong as e:
+                status, detail, ended = "wrong", str(e), "wrong"
+            except Exception as e:  # noqa: BLE001
+                if any(w in str(e) for w in _BROKEN_GROUP):
+                    raise Desync(f"{where}: a collective timed out ({str(e).splitlines()[0][:120]})") from None
+                ended = f"error {type(e).__name__}"
+                if status != "wrong":
+                    status, detail = "error", f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            if sync is not None:
+                sync(f"{where} {ended}")
+            if status == "wrong":
+                return status, detail
+    if status == "clean" and name == "ours" and fallback_counts():
+        status, detail = "fallback", ", ".join(sorted(fallback_counts()))
+    return status, detail
+
+
+def select_ops(names: list[str] | None):
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    ops = [o for o in op_db if torch.float32 in o.supported_dtypes("cpu")]
+    if names:
+        ops = [o for o in ops if o.name in names or op_key(o) in names]
+    return ops
+
+
+def op_key(opinfo) -> str:
+    return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+
+
+def _store_sync(rank: int, world: int):
+    """A status comparison through the TCP store, which still works when a collective went astray."""
+    store = dist.distributed_c10d._get_default_store()
+    counter = [0]
+
+    def sync(status: str) -> None:
+        counter[0] += 1
+        store.set(f"opdb/{counter[0]}/{rank}", status)
+        keys = [f"opdb/{counter[0]}/{r}" for r in range(world)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=90))
+        except Exception as e:  # noqa: BLE001
+            raise Desync(f"a rank did not report: {e}") from None
+        seen = [store.get(k).decode() for k in keys]
+        if len(set(seen)) > 1:
+            raise Desync("ranks disagree: " + " / ".join(seen))
+
+    return sync
+
+
+def _worker(rank: int, world: int, port: int, argv: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    import lightning_shard
+    from lightning_shard.tensor import fallback_policy
+
+    libs = _libs(lightning_shard.init_device_mesh("cpu", (world,)), torch_mesh("cpu", (world,)))
+    sync = _store_sync(rank, world)
+    done = _done(argv["out"])
+    warnings.simplefilter("ignore")
+    with fallback_policy("warn"), open(argv["out"], "a") as log:
+        for opinfo in select_ops(argv["ops"]):
+            for name in argv["libs"]:
+                if (op_key(opinfo), name) in done:
+                    continue
+                if rank == 0:  # lets the parent name the unit if a rank dies (gloo aborts on some mismatches)
+                    log.write(json.dumps(["__start__", op_key(opinfo), name, ""]) + "\n")
+                    log.flush()
+                try:
+                    status, detail = run_op(opinfo, name, libs[name], argv["samples"], sync)
+                    desync = False
+                except Desync as e:
+                    status, detail, desync = "error", f"{e}"[:300], True
+                except Exception:  # noqa: BLE001 -- the harness itself must keep going
+                    status, detail, desync = "error", traceback.format_exc(limit=1)[-300:], False
+                if rank == 0:
+                    log.write(json.dumps([op_key(opinfo), name, status, detail]) + "\n")
+                    log.flush()
+                    if argv["verbose"]:
+                        print(op_key(opinfo), name, status, detail, flush=True)
+                if desync:
+                    os._exit(0)  # the process group may hold stray messages: the parent starts fresh ranks
+    if rank == 0:
+        with open(argv["out"], "a") as log:
+            log.write(json.dumps(["__finished__", "", "", ""]) + "\n")
+    dist.destroy_process_group()
+
+
+def _lines(path: str) -> list:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _done(path: str) -> set:
+    return {tuple(r[:2]) for r in _lines(path) if r[0] != "__start__"}
+
+
+def _record_crash(path: str) -> None:
+    """After a rank died: the unit it was running counts as an error, so the next ranks skip it."""
+    started = [r for r in _lines(path) if r[0] == "__start__"]
+    if started and (started[-1][1], started[-1][2]) not in _done(path):
+        with open(path, "a") as log:
+            log.write(json.dumps([started[-1][1], started[-1][2], "error", "a rank died (collective mismatch)"]))
+            log.write("\n")
+
+
+def _results(path: str) -> dict:
+    out: dict = {}
+    for key, lib, status, detail in _lines(path):
+        if key not in ("__finished__", "__start__"):
+            out.setdefault(key, {})[lib] = (status, detail)
+    return out
+
+
+def table(results: dict, libs) -> str:
+    lines = ["| | " + " | ".join(libs) + " |", "| --- |" + " --- |" * len(libs)]
+    for st in STATUSES:
+        counts = [sum(1 for r in results.values() if r[lib][0] == st) for lib in libs]
+        lines.append(f"| {st} | " + " | ".join(map(str, counts)) + " |")
+    lines.append("| total | " + " | ".join(str(len(results)) for _ in libs) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", nargs="*", default=None, help="OpInfo names (default: all of op_db)")
+    p.add_argument("--libs", nargs="*", default=list(LIBS), choices=LIBS)
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--out", default="dtensor_opdb.jsonl", help="one line per (op, library); a rerun resumes")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args()
+    argv = {"ops": a.ops, "libs": a.libs, "samples": a.samples, "out": a.out, "verbose": a.verbose or bool(a.ops)}
+    while ("__finished__", "") not in _done(a.out):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
+        except mp.ProcessExitedException:
+            _record_crash(a.out)
+    results = _results(a.out)
+    print(table(results, a.libs))
+    for lib in a.libs:
+        for st in ("wrong", "error"):
+            names = sorted(k for k, r in results.items() if r[lib][0] == st)
+            print(f"\n{lib} {st} ({len(names)}):")
+            for k in names:
+                print(f"  {k}: {results[k][lib][1]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Ops that mix some dims of their input and treat every other dim as an independent batch: pooling,
+upsampling, padding, group norm, matrix decompositions (last two dims), and ``dim``-wise ops (sort, topk,
+cummax, kthvalue, median, mode, glu, cross, index_fill/index_copy/index_reduce, diagonal).
+
+Rule: the mixed dims must be whole, so a shard on one of them is gathered (and every ``Partial`` reduced);
+shards on the other dims stay, and each output keeps them at the dim they move to (a ``keepdim=False``
+reduction shifts the later dims down by one). Other tensor inputs of the same shape (``max_unpool``'s indices,
+``cross``'s other, ``index_copy``'s source) follow the first input's layout; the rest (weights, index
+vectors) are replicated.
+
+Example: ``F.max_pool2d(x, 2)`` on ``x`` of shape ``(N, C, H, W)`` with ``(Shard(0),)`` runs locally and
+returns ``(Shard(0),)`` values and indices; with ``(Shard(2),)`` the rows are gathered first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_shard.tensor.ops._common import REPLICATE, normalize_dim
+from lightning_shard.tensor.ops._registry import OpCall, Plan, register
+from lightning_shard.tensor.ops.views import _n_outputs, local_shape, same_kind
+from lightning_shard.tensor.spec import DTensorSpec
+
+aten = torch.ops.aten
+
+MixedDims = Callable[[OpCall, DTensorSpec], "tuple[set[int], Callable[[int], int | None]]"]
+
+
+def _arg(call: OpCall, name: str, default=None):
+    for i, a in enumerate(call.func._schema.arguments):
+        if a.name == name:
+            if i < len(call.args) and not a.kwarg_only:
+                return call.args[i]
+            if name in call.kwargs:
+                return call.kwargs[name]
+            return a.default_value if a.has_default_value() else default
+    return default
+
+
+def dimwise(mixed: MixedDims, side_inputs: bool = False):
+    """A rule from ``mixed(call, spec) -> (dims that must be whole, output dim of each kept dim)``.
+
+    Another tensor input with the first's ndim and sizes on its sharded dims follows its layout; a 0-dim one
+    is replicated; any other (one that could broadcast against the kept dims) makes every input replicated,
+    unless ``side_inputs`` says the op applies such inputs along the mixed dims only (group norm's weight,
+    an index vector)."""
+
+    def rule(call: OpCall) -> Plan | None:
+        first = call.specs[0]
+        dims, out_dim = mixed(call, first)
+        # Several ops refuse an empty input (group norm of an empty batch) and would raise on the ranks holding
+        # nothing only: keep a shard only where every rank holds a piece.
+        ways = {}
+        for i, p in enumerate(first.placements):
+            if p.is_shard():
+                ways[p.dim] = ways.get(p.dim, 1) * call.mesh.size(i)
+        ins, outs = [], []
+        for p in first.placements:
+            keep = p.is_shard() and p.dim not in dims and first.shape[p.dim] >= ways[p.dim]
+            if keep and out_dim(p.dim) is not None:
+                ins.append(p)
+                outs.append(same_kind(p, out_dim(p.dim)))
+            else:
+                ins.append(REPLICATE)
+                outs.append(REPLICATE)
+        ins, rep = tuple(ins), tuple([REPLICATE] * call.mesh.ndim)
+        sharded = [p.dim for p in ins if p.is_shard()]
+        inputs = [ins]
+        for s in call.specs[1:]:
+            if s.ndim == first.ndim and all(s.shape[d] == first.shape[d] for d in sharded):
+                inputs.append(ins)
+            elif s.ndim == 0 or side_inputs or not sharded:
+                inputs.append(rep)
+            else:
+                return Plan([rep] * len(call.specs), [rep] * _n_outputs_of(call))
+        return Plan(inputs, [tuple(outs)] * _n_outputs_of(call))
+
+    return rule
+
+
+def _n_outputs_of(call: OpCall) -> int:
+    returns = call.func._schema.returns
+    if len(returns) == 1 and str(returns[0].type) == "Tensor":
+        return 1
+    return _n_outputs(call)
+
+
+def _same(d: int) -> int:
+    return d
+
+
+def last_dims(k: int | Callable[[OpCall, DTensorSpec], int]) -> MixedDims:
+    """The last ``k`` dims are mixed; the leading dims are batch dims of every output."""
+
+    def mixed(call: OpCall, spec: DTensorSpec):
+        n = k(call, spec) if callable(k) else k
+        return set(range(spec.ndim - n, spec.ndim)), _same
+
+    return mixed
+
+
+def along_dim(default: int = -1, keepdim_arg: bool = False, reduces: bool = True) -> MixedDims:
+    """The op's ``dim`` argument is mixed; with ``keepdim=False`` it disappears from the outputs."""
+
+    def mixed(call: OpCall, spec: DTensorSpec):
+        dim = normalize_dim(_arg(call, "dim", default), spec.ndim)
+        drop = keepdim_arg and reduces and not _arg(call, "keepdim", False) and spec.ndim > 0
+        return {dim}, (lambda d: d - 1 if drop and d > dim else d)
+
+    return mixed
+
+
+def _group_norm(call: OpCall, spec: DTensorSpec):
+    return set(range(1, spec.ndim)), _same
+
+
+_group_norm_dims = dimwise(_group_norm, side_inputs=True)
+
+
+def _group_norm_rule(call: OpCall) -> Plan | None:
+    """``native_group_norm(input, weight, bias, N, C, HxW, group, eps)`` names the batch size: the local call
+    gets the local one."""
+    plan = _group_norm_dims(call)
+    n_local = local_shape(call.specs[0].shape, plan.inputs[0], call.mesh)[0]
+    plan.local_args = ((*call.args[:3], n_local, *call.args[4:]), call.kwargs)
+    return plan
+
+
+def _diagonal(call: OpCall, spec: DTensorSpec):
+    d1 = normalize_dim(_arg(call, "dim1", 0), spec.ndim)
+    d2 = normalize_dim(_arg(call, "dim2", 1), spec.ndim)
+    return {d1, d2}, (lambda d: d - (d > d1) - (d > d2))
+
+
+def _diag_embed(call: OpCall, spec: DTensorSpec):
+    # the output inserts two dims at dim1/dim2 (of the output); the input's leading dims stay in front only for
+    # the default placement at the end
+    d1, d2 = _arg(call, "dim1", -2), _arg(call, "dim2", -1)
+    out_nd = spec.ndim + 1
+    if {normalize_dim(d1, out_nd), normalize_dim(d2, out_nd)} != {out_nd - 2, out_nd - 1}:
+        return set(range(spec.ndim)), _same
+    return {spec.ndim - 1}, _same
+
+
+def _pad(call: OpCall, spec: DTensorSpec):
+    return set(range(spec.ndim - len(call.args[1]) // 2, spec.ndim)), _same
+
+
+def _check_errors_rule(call: OpCall) -> Plan:
+    """The matrix functions' ``info`` check: on the whole (small) ``info``, so every rank raises alike."""
+    return Plan([tuple([REPLICATE] * call.mesh.ndim)], [])
+
+
+def _register() -> None:
+    spatial = {
+        1: [
+            "upsample_nearest1d",
+            "_upsample_nearest_exact1d",
+            "upsample_linear1d",
+            "reflection_pad1d",
+            "replication_pad1d",
+        ],
+        2: [
+            "avg_pool2d",
+            "max_pool2d_with_indices",
+            "_adaptive_avg_pool2d",
+            "adaptive_max_pool2d",
+            "upsample_nearest2d",
+            "_upsample_nearest_exact2d",
+            "upsample_bilinear2d",
+            "upsample_bicubic2d",
+            "_upsample_bilinear2d_aa",
+            "max_unpool2d",
+            "reflection_pad2d",
+            "replication_pad2d",
+            # matrix functions act on the last two dims
+            "cholesky",
+            "cholesky_inverse",
+            "linalg_matrix_exp",
+            "linalg_qr",
+            "_linalg_svd",
+            "linalg_lu_factor_ex",
+            "geqrf",
+            "linalg_inv_ex",
+            "linalg_cholesky_ex",
+            "_linalg_det",
+            "_linalg_slogdet",
+            "_linalg_eigh",
+        ],
+        3: [
+            "avg_pool3d",
+            "max_pool3d_with_indices",
+            "_adaptive_avg_pool3d",
+            "adaptive_max_pool3d",
+            "upsample_nearest3d",
+            "_upsample_nearest_exact3d",
+            "upsample_trilinear3d",
+            "max_unpool3d",
+            "reflection_pad3d",
+            "replication_pad3d",
+        ],
+    }
+    for k, names in spatial.items():
+        for name in names:
+            packet = getattr(aten, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                if "out" not in overload and "backward" not in overload:
+                    register(getattr(packet, overload))(dimwise(last_dims(k)))
+    register(aten.view_as_complex.default)(dimwise(last_dims(1)))
+    register(aten._linalg_check_errors.default)(_check_errors_rule)
+    register(aten.constant_pad_nd.default)(dimwise(_pad))
+    register(aten.native_group_norm.default)(_group_norm_rule)
+    register(aten.diagonal.default, aten.diagonal_copy.default)(dimwise(_diagonal))
+    register(aten.diag_embed.default)(dimwise(_diag_embed))
+    register(aten.sort.default, aten.sort.stable, aten.cummax.default, aten.cummin.default)(
+        dimwise(along_dim(-1, reduces=False))
+    )
+    register(aten.topk.default)(dimwise(along_dim(-1, reduces=False)))
+    register(aten.kthvalue.default, aten.mode.default)(dimwise(along_dim(-1, keepdim_arg=True)))
+    register(aten.median.dim, aten.nanmedian.dim)(dimwise(along_dim(-1, keepdim_arg=True)))
+    register(aten.glu.default)(dimwise(along_dim(-1, reduces=False)))
+    register(aten.linalg_cross.default)(dimwise(along_dim(-1, reduces=False)))
+    register(
+        aten.index_fill.int_Scalar,
+        aten.index_fill.int_Tensor,
+        aten.index_copy.default,
+        aten.index_reduce.default,
+    )(dimwise(along_dim(0, reduces=False), side_inputs=True))
+
+
+_register()

@@ -328,3 +328,11 @@ def test_strict_false_keeps_the_callers_tensor_for_a_key_the_checkpoint_lacks(tm
     assert torch.equal(seen["extra"], torch.full((4096,), 7.0))  # not an uninitialised tensor
     assert state["model"]["extra"] is extra and torch.equal(extra, torch.full((4096,), 7.0))
     assert torch.equal(state["model"]["w"], torch.ones(3))
+
+
+def test_load_reads_into_host_memory_whatever_the_target_device():
+    from lightning_shard.checkpoint.save_load import _empty_like
+
+    # A meta tensor stands in for a device tensor: the copy a load reads into must not take device memory.
+    staging = _empty_like(torch.empty(4, 3, device="meta"), torch.bfloat16)
+    assert staging.device == torch.device("cpu") and staging.shape == (4, 3) and staging.dtype == torch.bfloat16

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor as TorchDTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from lightning_shard import comm
 from lightning_shard.checkpoint._integrity import (
@@ -422,14 +423,25 @@ def _validate(converted: dict, metadata: Metadata, path: str, strict: bool) -> d
     return dtypes
 
 
+def _host_empty_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Host storage of ``value``'s shape holding ``dtype``: pinned when ``value`` is on an accelerator, so the
+    copy into it at commit is a fast DMA. The load reads into host memory (as torch's DCP reader does), so a
+    resumed run needs no second copy of its state in device memory."""
+    pin = value.device.type not in ("cpu", "meta")
+    return torch.empty(value.shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
 def _empty_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """New storage in ``value``'s layout (same shard of the same mesh for a DTensor) holding ``dtype``."""
+    """New host storage in ``value``'s layout (same shard of the same mesh for a DTensor) holding ``dtype``.
+
+    Example: ``_empty_like(torch.empty(4, device="meta"), torch.float32).device == torch.device("cpu")``.
+    """
     if isinstance(value, TorchDTensor):
-        local = torch.empty_like(value._local_tensor, dtype=dtype)
-        return TorchDTensor.from_local(
-            local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
-        )
-    return torch.empty_like(value, dtype=dtype)
+        local = _host_empty_like(value._local_tensor, dtype)
+        meta = TensorMeta(value.shape, value.stride(), dtype)
+        # The constructor, not ``from_local``: that one would move the local tensor to the mesh's device.
+        return TorchDTensor(local, DTensorSpec(value.device_mesh, value.placements, meta), requires_grad=False)
+    return _host_empty_like(value, dtype)
 
 
 def _shadow(converted: dict, dtypes: dict[str, torch.dtype]) -> tuple[dict, dict, dict]:

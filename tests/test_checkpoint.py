@@ -302,3 +302,37 @@ def test_reshard_matrix(tmp_path):
             assert got.keys() == expected.keys()
             for k in got:
                 assert torch.equal(got[k], expected[k]), f"{src} -> {dst}: {k}"
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def test_tensors_inside_a_tuple_are_loaded_in_place(tmp_path):
+    save({"pair": (torch.arange(4.0), 3), "list": [torch.ones(2)]}, str(tmp_path / "c"))
+    first, ones = torch.zeros(4), torch.zeros(2)
+    state = {"pair": (first, 0), "list": [ones]}
+    load(state, str(tmp_path / "c"))
+    assert state["pair"][0] is first and torch.equal(first, torch.arange(4.0))  # the caller's tensor, loaded
+    assert state["pair"][1] == 3
+    assert state["list"][0] is ones and torch.equal(ones, torch.ones(2))
+    wrong = {"pair": (torch.zeros(5), 0), "list": [torch.zeros(2)]}
+    with pytest.raises(ValueError, match=r"state\['pair'\]\[0\].*nothing was modified"):
+        load(wrong, str(tmp_path / "c"))
+    assert not wrong["list"][0].any()  # all or nothing: the valid entry was not copied either
+
+
+def test_strict_false_keeps_the_callers_tensor_for_a_key_the_checkpoint_lacks(tmp_path):
+    save({"model": {"w": torch.ones(3)}}, str(tmp_path / "c"))
+    extra = torch.full((4096,), 7.0)
+    state = {"model": {"w": torch.zeros(3), "extra": extra}}
+    seen = {}
+    load(state, str(tmp_path / "c"), strict=False, before_commit=lambda s: seen.update(s["model"]))
+    assert torch.equal(seen["extra"], torch.full((4096,), 7.0))  # not an uninitialised tensor
+    assert state["model"]["extra"] is extra and torch.equal(extra, torch.full((4096,), 7.0))
+    assert torch.equal(state["model"]["w"], torch.ones(3))
+
+
+def test_load_reads_into_host_memory_whatever_the_target_device():
+    from lightning_shard.checkpoint.save_load import _empty_like
+
+    # A meta tensor stands in for a device tensor: the copy a load reads into must not take device memory.
+    staging = _empty_like(torch.empty(4, 3, device="meta"), torch.bfloat16)
+    assert staging.device == torch.device("cpu") and staging.shape == (4, 3) and staging.dtype == torch.bfloat16

@@ -64,6 +64,41 @@ def test_sharded_files_index_and_stale_files(tmp_path):
     assert sorted(p for p in os.listdir(tmp_path) if "safetensors" in p) == ["model.safetensors"]
 
 
+def test_failed_save_leaves_the_previous_save_as_it_was(tmp_path, monkeypatch):
+    import errno
+
+    model = build("llama")
+    save_hf_pretrained(model, tmp_path, max_shard_size="40KB")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    previous = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.config.update({"saved_by_the_second_save": True})  # config.json changes too
+    real_write_file, calls = huggingface._write_file, []
+
+    def disk_full_at_second_file(path, entries, write):
+        calls.append(path)
+        if len(calls) == 2:
+            return OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_write_file(path, entries, write)
+
+    monkeypatch.setattr(huggingface, "_write_file", disk_full_at_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        save_hf_pretrained(model, tmp_path, max_shard_size="40KB")
+    assert len(calls) > 2  # several files, the first one written before the failure
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing new, no temporaries
+    loaded = _loader("llama").from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in previous.items())
+
+    monkeypatch.setattr(huggingface, "_write_file", real_write_file)
+    save_hf_pretrained(model, tmp_path, max_shard_size="40KB")  # the next save that succeeds is complete
+    assert sorted(os.listdir(tmp_path)) == sorted(before)
+    loaded = _loader("llama").from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    assert json.loads((tmp_path / "config.json").read_text())["saved_by_the_second_save"] is True
+
+
 def test_one_full_tensor_alive_at_a_time(tmp_path, monkeypatch):
     model = build("gpt2")
     previous: list[weakref.ref] = []

@@ -16,9 +16,11 @@ What is written, as ``PreTrainedModel.save_pretrained`` writes it:
   ``_keys_to_ignore_on_save`` are left out;
 * ``config.json`` (``model.config.save_pretrained``) and, for generative models, ``generation_config.json``.
 
-Files are written under temporary names and renamed into place, so a crash never leaves a truncated weight
-file under a name ``from_pretrained`` reads; weight files of an earlier save that this one does not replace
-(other shard counts) are removed. Other files in ``directory`` (a tokenizer) are left alone.
+Every file (weight files, index, config) is first written into a staging directory inside ``directory``
+and moved into place only after all of them were written, so a failed save (disk full) leaves the previous
+save as it was and a crash never leaves a truncated file under a name ``from_pretrained`` reads; weight
+files of an earlier save that this one does not replace (other shard counts) are removed then. Other files
+in ``directory`` (a tokenizer) are left alone.
 
 The engine does not import ``transformers``; the model only needs ``state_dict()`` (and, optionally,
 ``config``, ``_tied_weights_keys``, ``can_generate``). A model whose saved layout differs from its in-memory
@@ -43,6 +45,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 
@@ -60,6 +63,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _LEFTOVER = re.compile(r"model.*\.safetensors(\.index\.json)?\.tmp-\d+")
+_STAGING = ".save_hf_pretrained.tmp-"  # + pid: the directory every file is written into before the move
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -96,21 +100,28 @@ def save_hf_pretrained(
     files = _split(entries, limit)
     rank = dist.get_rank() if dist.is_initialized() else 0
     error: BaseException | None = None
+    staging = os.path.join(directory, f"{_STAGING}{os.getpid()}")
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            os.mkdir(staging)
         except OSError as e:
             error = e
     # Every rank takes part in every gather even after rank 0 failed to write, so nobody is left waiting in a
     # collective; the failure is raised on every rank at the end.
     for index, chunk in enumerate(files):
         name = _file_name(index, len(files))
-        error = _write_file(os.path.join(directory, name), chunk, write=rank == 0 and error is None) or error
+        error = _write_file(os.path.join(staging, name), chunk, write=rank == 0 and error is None) or error
     if rank == 0 and error is None:
         try:
-            _finish(model, str(directory), files, save_config)
+            _stage_rest(model, staging, files, save_config)
+            _publish(str(directory), staging, files)
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = e
+    if rank == 0 and error is not None:
+        # The previous save in ``directory`` is untouched: only the staging directory is dropped.
+        shutil.rmtree(staging, ignore_errors=True)
     _raise_everywhere(error, rank)
 
 
@@ -268,29 +279,39 @@ def _write_file(path: str, entries: list[_Entry], write: bool) -> BaseException 
     return error
 
 
-def _finish(model: nn.Module, directory: str, files: list[list[_Entry]], save_config: bool) -> None:
-    """Rank 0: the index (or none for one file), stale weight files removed, the config files."""
-    written = {_file_name(i, len(files)) for i in range(len(files))}
+def _stage_rest(model: nn.Module, staging: str, files: list[list[_Entry]], save_config: bool) -> None:
+    """Rank 0: the index (or none for one file) and the config files, written into ``staging``."""
     if len(files) > 1:
         index = {
             "metadata": {"total_size": sum(e.nbytes for chunk in files for e in chunk)},
             "weight_map": {e.name: _file_name(i, len(files)) for i, chunk in enumerate(files) for e in chunk},
         }
-        _write_text(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_text(os.path.join(staging, INDEX_FILE), json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = getattr(model, "config", None)
+    if save_config and config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(staging)
+        generation = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", None)
+        if generation is not None and callable(can_generate) and can_generate():
+            generation.save_pretrained(staging)
+
+
+def _publish(directory: str, staging: str, files: list[list[_Entry]]) -> None:
+    """Rank 0, once every file is written: move them into ``directory`` (weight files first, the index last),
+    remove the weight files of an earlier save this one does not replace, and the staging directory."""
+    written = {_file_name(i, len(files)) for i in range(len(files))}
     if len(files) > 1:
         written.add(INDEX_FILE)
+    staged = sorted(os.listdir(staging), key=lambda name: name == INDEX_FILE)
+    for name in staged:
+        os.replace(os.path.join(staging, name), os.path.join(directory, name))
     for stale in glob.glob(os.path.join(glob.escape(directory), "model*.safetensors*")):
         base = os.path.basename(stale)
         weights = base in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(base) or _LEFTOVER.fullmatch(base)
         if weights and base not in written:
             os.remove(stale)  # an earlier save's files (another shard count), or a crashed save's temporaries
-    config = getattr(model, "config", None)
-    if save_config and config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(directory)
-        generation = getattr(model, "generation_config", None)
-        can_generate = getattr(model, "can_generate", None)
-        if generation is not None and callable(can_generate) and can_generate():
-            generation.save_pretrained(directory)
+    for leftover in glob.glob(os.path.join(glob.escape(directory), f"{_STAGING}*")):
+        shutil.rmtree(leftover, ignore_errors=True)  # ours, now empty, or a crashed save's staging directory
 
 
 def _write_text(path: str, text: str) -> None:

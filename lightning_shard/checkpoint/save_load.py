@@ -50,6 +50,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor as TorchDTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from lightning_shard import comm
 from lightning_shard.checkpoint._integrity import (
@@ -140,7 +141,8 @@ def _to_dcp(obj: Any, where: str = "state") -> Any:
 
 
 def _merge_back(state: Any, loaded: Any) -> Any:
-    """Put loaded non-tensor values into the caller's containers (tensors are copied by ``_commit``)."""
+    """Put loaded non-tensor values into the caller's containers; the caller's tensors stay (``_commit``
+    copies into them). A tuple is rebuilt (it cannot be changed in place) around the caller's tensors."""
     if isinstance(state, dict) and isinstance(loaded, Mapping):
         for k in state:
             if k in loaded:
@@ -150,9 +152,33 @@ def _merge_back(state: Any, loaded: Any) -> Any:
         for i in range(len(state)):
             state[i] = _merge_back(state[i], loaded[i])
         return state
+    if isinstance(state, tuple) and isinstance(loaded, tuple) and len(state) == len(loaded):
+        merged = [_merge_back(s, v) for s, v in zip(state, loaded)]
+        return type(state)(*merged) if hasattr(state, "_fields") else type(state)(merged)  # a namedtuple or not
     if isinstance(state, torch.Tensor):
         return state
     return loaded
+
+
+def _tuple_copies(state: Any, loaded: Any, where: str = "state", in_tuple: bool = False) -> list[tuple]:
+    """(caller's tensor, loaded tensor) for every tensor inside a tuple. DCP stores a tuple as one object, not
+    key by key, so ``_commit`` does not reach these; checked here, before anything is copied."""
+    if isinstance(state, Mapping) and isinstance(loaded, Mapping):
+        items = [(state[k], loaded[k], f"{where}[{k!r}]", in_tuple) for k in state if k in loaded]
+    elif isinstance(state, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(state) == len(loaded):
+        inner = in_tuple or isinstance(state, tuple)
+        items = [(s, v, f"{where}[{i}]", inner) for i, (s, v) in enumerate(zip(state, loaded))]
+    elif in_tuple and isinstance(state, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor) or loaded.shape != state.shape:
+            seen = describe(loaded.shape, loaded.dtype) if isinstance(loaded, torch.Tensor) else type(loaded).__name__
+            raise ValueError(
+                f"load: {where} is a {describe(state.shape, state.dtype)} tensor, the checkpoint holds {seen} "
+                "there; load into a state of the saved structure -- nothing was modified"
+            )
+        return [(state, loaded)]
+    else:
+        return []
+    return [pair for item in items for pair in _tuple_copies(*item)]
 
 
 def _fsync_dir(path: str) -> None:
@@ -397,14 +423,25 @@ def _validate(converted: dict, metadata: Metadata, path: str, strict: bool) -> d
     return dtypes
 
 
+def _host_empty_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Host storage of ``value``'s shape holding ``dtype``: pinned when ``value`` is on an accelerator, so the
+    copy into it at commit is a fast DMA. The load reads into host memory (as torch's DCP reader does), so a
+    resumed run needs no second copy of its state in device memory."""
+    pin = value.device.type not in ("cpu", "meta")
+    return torch.empty(value.shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
 def _empty_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """New storage in ``value``'s layout (same shard of the same mesh for a DTensor) holding ``dtype``."""
+    """New host storage in ``value``'s layout (same shard of the same mesh for a DTensor) holding ``dtype``.
+
+    Example: ``_empty_like(torch.empty(4, device="meta"), torch.float32).device == torch.device("cpu")``.
+    """
     if isinstance(value, TorchDTensor):
-        local = torch.empty_like(value._local_tensor, dtype=dtype)
-        return TorchDTensor.from_local(
-            local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
-        )
-    return torch.empty_like(value, dtype=dtype)
+        local = _host_empty_like(value._local_tensor, dtype)
+        meta = TensorMeta(value.shape, value.stride(), dtype)
+        # The constructor, not ``from_local``: that one would move the local tensor to the mesh's device.
+        return TorchDTensor(local, DTensorSpec(value.device_mesh, value.placements, meta), requires_grad=False)
+    return _host_empty_like(value, dtype)
 
 
 def _shadow(converted: dict, dtypes: dict[str, torch.dtype]) -> tuple[dict, dict, dict]:
@@ -413,15 +450,18 @@ def _shadow(converted: dict, dtypes: dict[str, torch.dtype]) -> tuple[dict, dict
     fresh = {}
     for key, value in flat.items():
         if isinstance(value, torch.Tensor):
-            fresh[key] = _empty_like(value, dtypes.get(key, value.dtype))
+            # A key the checkpoint lacks (strict=False) keeps the caller's tensor: nothing reads into it.
+            fresh[key] = _empty_like(value, dtypes[key]) if key in dtypes else value
         else:
             fresh[key] = copy.deepcopy(value)
     return flat, fresh, unflatten_state_dict(fresh, mappings)
 
 
-def _commit(flat: dict, fresh: dict, dtypes: dict[str, torch.dtype]) -> None:
+def _commit(flat: dict, fresh: dict, dtypes: dict[str, torch.dtype], tuple_copies: list[tuple]) -> None:
     """Copy every loaded tensor into the caller's tensor (local shard for DTensors); no collective, no I/O."""
     with torch.no_grad():
+        for target, value in tuple_copies:
+            target.copy_(value)
         for key in dtypes:
             target, value = flat[key], fresh[key]
             if isinstance(target, TorchDTensor):
@@ -461,8 +501,10 @@ def load(
     ``CheckpointCorruptError`` names a truncated file). Then everything is read into new tensors, each entry
     verified against its checksum, and only when every rank has read everything are the values copied into
     ``state``. Any failure raises an ``Exception`` naming the file (and entry) with ``state`` untouched.
-    ``before_commit(loaded)``, if given, sees the loaded state (same structure, new tensors) before that copy
-    and may raise to abort it (it must decide alike on every rank).
+    ``before_commit(loaded)``, if given, sees the loaded state (same structure, new tensors; a key the
+    checkpoint lacks under ``strict=False`` shows the caller's tensor) before that copy and may raise to abort
+    it (it must decide alike on every rank). Tensors inside tuples are loaded in place too (the tuple is
+    rebuilt around the caller's tensors).
 
     Saved bfloat16/float16 values load into float32/float64 tensors (and float32 into float64): exact
     widening casts, as torch's DCP does them; narrowing casts are refused. ``strict=False`` loads the keys
@@ -498,6 +540,6 @@ def load(
     # dcp.load returns on a rank only once every rank's reads succeeded (it gathers their outcomes).
     if before_commit is not None:
         before_commit(shadow)
-    _commit(flat, fresh, dtypes)
+    _commit(flat, fresh, dtypes, _tuple_copies(state, shadow))
     _merge_back(state, shadow)  # non-tensor values; the caller's tensors stay (they were copied into)
     return state

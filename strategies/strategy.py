@@ -603,9 +603,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
     """Lightning's non-tensor checkpoint part (``meta.pt``) of a sharded directory, checked against the checksum
-    in our marker when there is one, read with ``weights_only=True``."""
+    in our marker when there is one, read with ``weights_only`` (Fabric's ``load(weights_only=...)``)."""
     from lightning_shard.checkpoint._safe_io import read_marker, verify_file
 
     meta_file = path / META_FILE
@@ -613,7 +613,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
         return {}
     data = meta_file.read_bytes()
     verify_file(str(path), META_FILE, data, read_marker(str(path)))
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
 
 
 def _local_loss(out):

@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -66,7 +65,13 @@ from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
 from strategies import loading, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
-from strategies.strategy import META_FILE, ShardFSDPTPStrategy, _read_meta, _top_level_entries
+from strategies.strategy import (
+    META_FILE,
+    ShardFSDPTPStrategy,
+    _read_meta,
+    _top_level_entries,
+    _write_full_checkpoint,
+)
 
 # A checkpoint written by the Trainer strategy keeps the model under this key and optimizer i under
 # "optimizer_{i}" (sharded) or "optimizer_states"[i] (full); Fabric maps them onto the user's keys on load.
@@ -338,8 +343,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
                 converted, target = (obj.state_dict() if isinstance(obj, _Stateful) else obj), metadata
             _apply_filter(key, filter or {}, converted, target)
         if full:
-            if self.global_rank == 0:
-                _write_file_atomically({**tensors, **metadata}, path)
+            _write_full_checkpoint({**tensors, **metadata}, path, self.global_rank, "shard_fsdp_tp (Fabric)")
         else:
             if path.is_file():
                 raise ValueError(f"shard_fsdp_tp (Fabric): {path} is a file; a sharded checkpoint is a directory")
@@ -505,12 +509,3 @@ def _check_remappable(optimizer: Optimizer, names: dict[int, str]) -> None:
             f"shard_fsdp_tp (Fabric): the optimizer holds {len(unknown)} parameters that are not the model's "
             f"(shapes {unknown[:3]}); create it from model.parameters()"
         )
-
-
-def _write_file_atomically(obj: dict[str, Any], path: Path) -> None:
-    if path.is_dir():
-        raise IsADirectoryError(f"shard_fsdp_tp (Fabric): {path} is a directory; a full checkpoint is one file")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

@@ -222,6 +222,20 @@ def test_failed_load_changes_nothing(state_dict_type):
         assert changed == [], (match, changed)
 
 
+@distributed(world_size=2, timeout=90, fresh=True)  # before the fix, rank 1 waited in a barrier until the timeout
+def test_full_save_failing_on_rank_0_raises_on_every_rank():
+    from tests.test_strategy import _read, assert_failed_save_left_no_trace, failing_write_on_rank_0
+
+    fabric = _fabric(strategy=strategies.ShardFSDPTPFabricStrategy(state_dict_type="full"))
+    path = os.path.join(_tmpdir(), "full.ckpt")
+    model = fabric.setup_module(make_model(0))
+    fabric.save(path, {"model": model, "step": 1})
+    previous = _read(path)
+    with failing_write_on_rank_0(), pytest.raises(Exception, match="full.ckpt") as info:
+        fabric.save(path, {"model": model, "step": 2})
+    assert_failed_save_left_no_trace(path, previous, info.value)
+
+
 def _damage(file: str) -> None:
     if dist.get_rank() == 0:
         with open(file, "r+b") as f:

@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -50,6 +49,7 @@ from torch.optim import Optimizer
 
 from lightning_shard import comm
 from lightning_shard.checkpoint import (
+    check_optimizer_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     load,
@@ -57,6 +57,7 @@ from lightning_shard.checkpoint import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from lightning_shard.checkpoint.state_dict import check_param_groups
 from lightning_shard.fsdp import FSDPModule
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
@@ -64,7 +65,13 @@ from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
 from strategies import loading, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
-from strategies.strategy import META_FILE, ShardFSDPTPStrategy, _top_level_entries
+from strategies.strategy import (
+    META_FILE,
+    ShardFSDPTPStrategy,
+    _read_meta,
+    _top_level_entries,
+    _write_full_checkpoint,
+)
 
 # A checkpoint written by the Trainer strategy keeps the model under this key and optimizer i under
 # "optimizer_{i}" (sharded) or "optimizer_states"[i] (full); Fabric maps them onto the user's keys on load.
@@ -334,8 +341,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
                 converted, target = (obj.state_dict() if isinstance(obj, _Stateful) else obj), metadata
             _apply_filter(key, filter or {}, converted, target)
         if full:
-            if self.global_rank == 0:
-                _write_file_atomically({**tensors, **metadata}, path)
+            _write_full_checkpoint({**tensors, **metadata}, path, self.global_rank, "shard_fsdp_tp (Fabric)")
         else:
             if path.is_file():
                 raise ValueError(f"shard_fsdp_tp (Fabric): {path} is a file; a sharded checkpoint is a directory")
@@ -375,12 +381,11 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             )
         module_key, module = _the_module(state, "load")
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
-        if path.is_dir():
-            remainder = self._load_sharded(path, state, module_key, module, optimizers, strict, weights_only)
-        else:
-            remainder = self._load_full(path, state, module_key, module, optimizers, strict, weights_only)
         requested = state.keys() - {module_key} - optimizers.keys()
-        _validate_keys_for_strict_loading(requested, remainder.keys(), strict=strict)
+        # All or nothing, in the Trainer strategy's order: every key, the optimizer states and (for a directory)
+        # meta.pt's checksum are checked before the model or an optimizer is modified.
+        load_from = self._load_sharded if path.is_dir() else self._load_full
+        remainder = load_from(path, module_key, module, optimizers, requested, strict, weights_only)
         for key in requested:
             if key in remainder:
                 obj = state[key]
@@ -391,7 +396,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
                     state[key] = value
         return remainder
 
-    def _load_sharded(self, path, state, module_key, module, optimizers, strict, weights_only) -> dict[str, Any]:
+    def _load_sharded(self, path, module_key, module, optimizers, requested, strict, weights_only) -> dict[str, Any]:
         saved = _top_level_entries(path)
         model_src = _source_key(module_key, saved, [_TRAINER_MODEL_KEY])
         to_load = {model_src: get_model_state_dict(module)}
@@ -401,31 +406,40 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             if src is not None:
                 optim_src[key] = src
                 to_load[src] = get_optimizer_state_dict(module, optimizer)
-        load(to_load, path, strict=strict)
-        for key, src in optim_src.items():
+
+        def check_optimizers(loaded: dict[str, Any]) -> None:  # the param groups, before anything is copied
+            for key, src in optim_src.items():
+                check_param_groups(module, optimizers[key], loaded[src])
+
+        meta = _read_meta(path, weights_only=weights_only)  # verified against its checksum before the load
+        _validate_keys_for_strict_loading(requested, meta.keys(), strict=strict)
+        load(to_load, path, strict=strict, before_commit=check_optimizers)
+        for key, src in optim_src.items():  # tensors are in place already; this sets the hyperparameters
             set_optimizer_state_dict(module, optimizers[key], to_load[src])
-        meta_file = path / META_FILE
-        meta = torch.load(meta_file, map_location="cpu", weights_only=weights_only) if meta_file.is_file() else {}
         return meta
 
-    def _load_full(self, path, state, module_key, module, optimizers, strict, weights_only) -> dict[str, Any]:
+    def _load_full(self, path, module_key, module, optimizers, requested, strict, weights_only) -> dict[str, Any]:
         checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
         model_src = _source_key(module_key, checkpoint.keys(), [_TRAINER_MODEL_KEY])
-        set_model_state_dict(module, checkpoint.pop(model_src), strict=strict)
+        model_state = checkpoint.pop(model_src)
         trainer_list = checkpoint.pop("optimizer_states", None) if model_src == _TRAINER_MODEL_KEY else None
-        for i, (key, optimizer) in enumerate(optimizers.items()):
+        optim_states = {}
+        for i, key in enumerate(optimizers):
             if key in checkpoint:
-                optim_state = checkpoint.pop(key)
+                optim_states[key] = checkpoint.pop(key)
             elif trainer_list is not None and i < len(trainer_list):
-                optim_state = trainer_list[i]
+                optim_states[key] = trainer_list[i]
             elif strict:
                 raise KeyError(
                     f"shard_fsdp_tp (Fabric): the checkpoint {path} has no optimizer state for {key!r}; "
                     "load with strict=False to skip it"
                 )
-            else:
-                continue
-            set_optimizer_state_dict(module, optimizer, optim_state)
+        _validate_keys_for_strict_loading(requested, checkpoint.keys(), strict=strict)
+        for key, optim_state in optim_states.items():  # before the model is touched
+            check_optimizer_state_dict(module, optimizers[key], optim_state)
+        set_model_state_dict(module, model_state, strict=strict)
+        for key, optim_state in optim_states.items():
+            set_optimizer_state_dict(module, optimizers[key], optim_state)
         return checkpoint
 
     def teardown(self) -> None:
@@ -493,12 +507,3 @@ def _check_remappable(optimizer: Optimizer, names: dict[int, str]) -> None:
             f"shard_fsdp_tp (Fabric): the optimizer holds {len(unknown)} parameters that are not the model's "
             f"(shapes {unknown[:3]}); create it from model.parameters()"
         )
-
-
-def _write_file_atomically(obj: dict[str, Any], path: Path) -> None:
-    if path.is_dir():
-        raise IsADirectoryError(f"shard_fsdp_tp (Fabric): {path} is a directory; a full checkpoint is one file")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

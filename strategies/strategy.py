@@ -52,6 +52,7 @@ from lightning_shard.checkpoint import (
     set_optimizer_state_dict,
 )
 from lightning_shard.checkpoint.state_dict import check_param_groups
+from lightning_shard.comm import broadcast_object
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
@@ -511,13 +512,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             if path.is_file():
                 raise ValueError(f"shard_fsdp_tp: {path} is a file; a sharded checkpoint is a directory")
             save(state, path, extra_files={META_FILE: meta.getvalue()})
-        elif self.global_rank == 0:
-            if path.is_dir():
-                raise IsADirectoryError(f"shard_fsdp_tp: {path} is a directory; a full checkpoint is one file")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            torch.save(checkpoint, tmp)
-            os.replace(tmp, path)
+        else:
+            _write_full_checkpoint(checkpoint, path, self.global_rank, "shard_fsdp_tp")
         self.barrier("save_checkpoint")
 
     def remove_checkpoint(self, filepath) -> None:
@@ -601,9 +597,47 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _write_full_checkpoint(obj: dict[str, Any], path: Path, rank: int, who: str) -> None:
+    """Rank 0 writes ``obj`` to a temporary file, fsyncs it and renames it to ``path``; then one broadcast gives
+    every rank rank 0's outcome, so a failed write raises the same error on every rank (no rank is left waiting
+    in a collective) and leaves the previous file at ``path`` untouched.
+
+    Example: ``_write_full_checkpoint(checkpoint, Path("last.ckpt"), self.global_rank, "shard_fsdp_tp")``.
+    """
+    error, cause = None, None
+    if rank == 0:
+        try:
+            _write_atomically(obj, path, who)
+        except Exception as e:  # every rank raises it below, after the broadcast
+            error, cause = f"{type(e).__name__}: {e}", e
+    if _distributed_is_initialized():
+        error = broadcast_object(error)
+    if error is not None:
+        raise RuntimeError(
+            f"{who}: rank 0 could not write the full checkpoint {path} ({error}); the previous file at that path, "
+            "if any, is unchanged"
+        ) from cause
+
+
+def _write_atomically(obj: dict[str, Any], path: Path, who: str) -> None:
+    if path.is_dir():
+        raise IsADirectoryError(f"{who}: {path} is a directory; a full checkpoint is one file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
     """Lightning's non-tensor checkpoint part (``meta.pt``) of a sharded directory, checked against the checksum
-    in our marker when there is one, read with ``weights_only=True``."""
+    in our marker when there is one, read with ``weights_only`` (Fabric's ``load(weights_only=...)``)."""
     from lightning_shard.checkpoint._safe_io import read_marker, verify_file
 
     meta_file = path / META_FILE
@@ -611,7 +645,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
         return {}
     data = meta_file.read_bytes()
     verify_file(str(path), META_FILE, data, read_marker(str(path)))
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
 
 
 def _local_loss(out):

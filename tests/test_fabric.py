@@ -179,6 +179,85 @@ def test_trainer_checkpoint_loads_in_fabric(state_dict_type):
     assert remainder["global_step"] == 3  # the rest of Lightning's checkpoint comes back
 
 
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@distributed(world_size=2)
+def test_failed_load_changes_nothing(state_dict_type):
+    fabric = _fabric(strategy=strategies.ShardFSDPTPFabricStrategy(state_dict_type=state_dict_type))
+    path = os.path.join(_tmpdir(), "ckpt")
+    x, y = _local(batches(1, GLOBAL_BATCH)[0], dist.get_rank(), dist.get_world_size())
+
+    def sgd(module, split: int):  # two param groups, as many as the saved optimizer: only their members differ
+        params = list(module.parameters())
+        return torch.optim.SGD([{"params": params[:split]}, {"params": params[split:]}], lr=0.1, momentum=0.9)
+
+    model = fabric.setup_module(make_model(0))
+    opt = fabric.setup_optimizers(sgd(model, 2))
+    fabric.backward(loss_fn(model, x, y))
+    opt.step()
+    fabric.save(path, {"model": model, "optimizer": opt})
+
+    other = fabric.setup_module(make_model(1))
+    same, regrouped = sgd(other, 2), sgd(other, 4)
+    same, regrouped = fabric.setup_optimizers(same, regrouped)
+    for optimizer in (same, regrouped):  # momentum buffers that a partial load would overwrite
+        fabric.backward(loss_fn(other, x, y))
+        optimizer.step()
+    before = _snapshot(other.module, same.optimizer, regrouped.optimizer)
+
+    failures = [
+        ({"model": other, "optimizer": regrouped}, "param group"),
+        ({"model": other, "optimizer": same, "step": 0}, "'step'"),  # strict: a requested key is missing
+    ]
+    if state_dict_type == "sharded":  # meta.pt damaged after saving: its checksum fails
+        failures.append(({"model": other, "optimizer": same}, "meta.pt"))
+    for state, match in failures:
+        if match == "meta.pt":
+            _damage(os.path.join(path, "meta.pt"))
+            fabric.barrier()
+        with pytest.raises(Exception, match=match):
+            fabric.load(path, state)
+        after = _snapshot(other.module, same.optimizer, regrouped.optimizer)
+        assert after.keys() == before.keys()
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert changed == [], (match, changed)
+
+
+@distributed(world_size=2, timeout=90, fresh=True)  # before the fix, rank 1 waited in a barrier until the timeout
+def test_full_save_failing_on_rank_0_raises_on_every_rank():
+    from tests.test_strategy import _read, assert_failed_save_left_no_trace, failing_write_on_rank_0
+
+    fabric = _fabric(strategy=strategies.ShardFSDPTPFabricStrategy(state_dict_type="full"))
+    path = os.path.join(_tmpdir(), "full.ckpt")
+    model = fabric.setup_module(make_model(0))
+    fabric.save(path, {"model": model, "step": 1})
+    previous = _read(path)
+    with failing_write_on_rank_0(), pytest.raises(Exception, match="full.ckpt") as info:
+        fabric.save(path, {"model": model, "step": 2})
+    assert_failed_save_left_no_trace(path, previous, info.value)
+
+
+def _damage(file: str) -> None:
+    if dist.get_rank() == 0:
+        with open(file, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+
+
+def _snapshot(module, *optimizers) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor, as full tensors."""
+    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()  # noqa: E731
+    out = {f"param {n}": full(p) for n, p in module.named_parameters()}
+    names = {p: n for n, p in module.named_parameters()}
+    for i, optimizer in enumerate(optimizers):
+        for p, state in optimizer.state.items():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optimizer {i} {names[p]} {k}"] = full(v)
+    return out
+
+
 def _momentum(module, optimizer) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():

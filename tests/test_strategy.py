@@ -1,5 +1,6 @@
 """Trainer(strategy="shard_fsdp_tp") on real gloo ranks, compared with a single-device run."""
 
+import contextlib
 import os
 
 import lightning as L
@@ -165,3 +166,55 @@ def test_auto_tensor_parallel_size_uses_the_planner():
     # plenty of memory on this machine: the smallest TP that fits is 1, and the planner said why
     assert module.device_mesh.shape == (2, 1)
     assert trainer.strategy.planner_table and "fits" in trainer.strategy.planner_table.lower()
+
+
+@distributed(world_size=2, timeout=90, fresh=True)  # before the fix, rank 1 waited in a barrier until the timeout
+def test_full_save_failing_on_rank_0_raises_on_every_rank():
+    lit = LitGPT()
+    trainer = _trainer(max_steps=1, strategy=strategies.ShardFSDPTPStrategy(state_dict_type="full"))
+    trainer.fit(lit)
+    path = os.path.join(_broadcast_tmpdir(), "full.ckpt")
+    trainer.save_checkpoint(path)
+    previous = _read(path)
+    with failing_write_on_rank_0(), pytest.raises(Exception, match="full.ckpt") as info:
+        trainer.save_checkpoint(path)
+    assert_failed_save_left_no_trace(path, previous, info.value)
+
+
+@contextlib.contextmanager
+def failing_write_on_rank_0():
+    """On rank 0, ``torch.save`` writes a few bytes and fails like a full disk; other ranks are unaffected."""
+
+    def boom(obj, f, *args, **kwargs):
+        if hasattr(f, "write"):
+            f.write(b"partial")
+        raise OSError(28, "No space left on device (injected)")
+
+    save = torch.save
+    if dist.get_rank() == 0:
+        torch.save = boom
+    try:
+        yield
+    finally:
+        torch.save = save
+
+
+def assert_failed_save_left_no_trace(path: str, previous: bytes, error: BaseException) -> None:
+    """Every rank's error names rank 0's cause; the previous file is intact and no temporary file remains."""
+    assert "No space left on device (injected)" in str(error)
+    dist.barrier()  # rank 0 has cleaned up
+    assert sorted(os.listdir(os.path.dirname(path))) == [os.path.basename(path)]
+    assert _read(path) == previous
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _broadcast_tmpdir() -> str:
+    import tempfile
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    return box[0]

@@ -317,8 +317,38 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
     def _plan_tensor_parallel_size(self, world: int) -> int:
-        """``tensor_parallel_size="auto"``: the planner's choice (the fastest TP size that fits, with this
-        strategy's activation checkpointing, resharding, offload and hybrid sharding), logged with its table.
+        """``tensor_parallel_size="auto"`` decided on rank 0 and sent to every rank (with ``planner_table``).
+
+        Each rank planning alone could pick a different size (per-node memory, a different first batch, the
+        planner failing on one rank) and build a different mesh: a hang or a crash. An error of rank 0's
+        planner (``NoFitError``) is raised on every rank before the mesh is built.
+        """
+        if not _distributed_is_initialized() or world == 1:
+            return self._plan_tensor_parallel_size_here(world)
+        from lightning_shard.comm import broadcast_object
+        from lightning_shard.planner import NoFitError
+
+        outcome: tuple = (None, None, None)
+        error: Exception | None = None
+        if self.global_rank == 0:
+            try:
+                outcome = (self._plan_tensor_parallel_size_here(world), self.planner_table, None)
+            except Exception as e:  # raised below on every rank, after the broadcast (no rank left waiting)
+                error = e
+                outcome = (None, None, (isinstance(e, NoFitError), f"{type(e).__name__}: {e}"))
+        tp, table, failed = broadcast_object(outcome, src=0)
+        if error is not None:
+            raise error
+        if failed is not None:
+            no_fit, message = failed
+            kind = NoFitError if no_fit else RuntimeError
+            raise kind(f"shard_fsdp_tp: tensor_parallel_size='auto' failed on rank 0: {message}")
+        self.planner_table = table
+        return tp
+
+    def _plan_tensor_parallel_size_here(self, world: int) -> int:
+        """``tensor_parallel_size="auto"`` on this process: the planner's choice (the fastest TP size that fits,
+        with this strategy's activation checkpointing, resharding, offload and hybrid sharding), logged with its table.
         Needs the model's layers at this point (built in ``__init__``); a model built later in
         ``configure_model`` gets TP 1 with a message saying why."""
         module = self.lightning_module

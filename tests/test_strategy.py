@@ -218,3 +218,46 @@ def _broadcast_tmpdir() -> str:
     box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     return box[0]
+
+
+def _auto_strategy():
+    from strategies.precision import ShardPrecision
+
+    strategy = strategies.ShardFSDPTPStrategy(
+        tensor_parallel_size="auto", planner_batch=4, planner_seq_len=6, parallel_devices=[torch.device("cpu")] * 2
+    )
+    strategy._lightning_module = LitGPT(arch="llama")
+    strategy.precision_plugin = ShardPrecision("32-true", "cpu")
+    return strategy
+
+
+@distributed(world_size=2)
+def test_auto_tensor_parallel_size_is_rank_zeros_choice_on_every_rank():
+    from unittest import mock
+
+    import lightning_shard.planner as planner
+
+    # Rank 1's planner sees something else (another node's memory, another first batch): it must not matter.
+    other = mock.patch.object(planner, "choose_tensor_parallel_size", return_value=(2, "rank 1's table"))
+    failing = mock.patch.object(planner, "choose_tensor_parallel_size", side_effect=RuntimeError("meta failed"))
+    for patch in (other, failing):
+        strategy = _auto_strategy()
+        with patch if dist.get_rank() == 1 else contextlib.nullcontext():
+            tp = strategy._plan_tensor_parallel_size(2)
+        seen = [None, None]
+        dist.all_gather_object(seen, (tp, strategy.planner_table))
+        assert seen[0] == seen[1], seen
+        assert seen[0][1] and "rank 1" not in seen[0][1]
+
+
+@distributed(world_size=2)
+def test_auto_tensor_parallel_size_error_on_rank_zero_raises_on_every_rank():
+    from unittest import mock
+
+    import lightning_shard.planner as planner
+
+    no_fit = planner.NoFitError("nothing fits in 1 byte")
+    patch = mock.patch.object(planner, "choose_tensor_parallel_size", side_effect=no_fit)
+    rank0_patch = patch if dist.get_rank() == 0 else contextlib.nullcontext()
+    with rank0_patch, pytest.raises(planner.NoFitError, match="nothing fits in 1 byte"):
+        _auto_strategy()._plan_tensor_parallel_size(2)

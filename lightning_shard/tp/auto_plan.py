@@ -36,7 +36,8 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   dim 1 of ``(B, T, C)``, dim 0 of a ``(T, C)`` positional lookup), attention and MLP modules gather their
   input with ``PrepareModuleInput``, output projections reduce-scatter. Without an LM head the last block's
   output is gathered (``PrepareModuleOutput``) for a pooler/classifier. Only when every block's attention
-  and MLP are sharded submodules; otherwise the summary says why it is off.
+  and MLP are sharded submodules; otherwise the summary says why it is off. A Hugging Face model where it
+  would be on gets a ``ValueError`` (its forward builds masks and positions from the sharded embedding output).
 
 Example::
 
@@ -254,6 +255,17 @@ def _prepare_block_input(m: nn.Module, layout: Placement) -> PrepareModuleInput:
     )
 
 
+def _hugging_face_model(modules: dict[str, nn.Module], block: str) -> str | None:
+    """The class name of the outermost Hugging Face ``PreTrainedModel`` holding ``block``, else None.
+    Recognised by the class hierarchy's names, so ``transformers`` is not imported."""
+    for fqn, m in modules.items():  # named_modules order: parents first
+        if (not fqn or block.startswith(fqn + ".")) and any(
+            c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(m).__mro__
+        ):
+            return type(m).__name__
+    return None
+
+
 def auto_tp_plan(
     model: nn.Module,
     tp_mesh: DeviceMesh | int,
@@ -384,6 +396,14 @@ def auto_tp_plan(
         if why:
             lines.append(f"sequence_parallel: off ({why})")
             sp = False
+        elif (hf := _hugging_face_model(modules, blocks[0])) is not None:
+            # Explicitly asked for and cannot work: refuse here, on every rank alike, instead of a raw shape
+            # error in forward or an option silently ignored.
+            raise ValueError(
+                f"auto_tp_plan: sequence_parallel=True cannot apply to the Hugging Face model {hf}: its forward "
+                "builds the attention mask and positions from the embedding output, which sequence parallel "
+                "shards along the sequence (a shape mismatch in forward); pass sequence_parallel=False"
+            )
         else:
             lines.append("sequence_parallel: on (sequence dim 1)")
     seq = Shard(1)

@@ -117,10 +117,6 @@ def tp_plan_for(model: nn.Module, tp: int) -> dict:
     return auto_tp_plan(model, tp)
 
 
-def _style_kind(style) -> str:
-    return type(style).__name__
-
-
 def _tp_local_shapes(model: nn.Module, plan: dict, tp: int) -> dict[int, torch.Size]:
     """id(param) -> the TP-local shape of TP rank 0 (``torch.chunk`` semantics: the largest local shard)."""
     shapes: dict[int, torch.Size] = {}
@@ -462,21 +458,11 @@ def _collectives(groups, layouts, shard, replicas, tp, c_size, r_size, reshard, 
             if replicas > 1:
                 out.append(Collective("all_reduce", layout.shard_numel * r_size, replicas, "replicate", 1))
     if tp > 1:
-        recompute = 1 if opts.checkpointing in ("full", "selective-op") else 0  # recomputed forward all-reduces
-        for fqn, style in plan.items():
-            if fqn not in profile.io:
-                continue
-            n_in, n_out = profile.io[fqn]
-            kind = type(style).__name__
-            in_block = any(fqn.startswith(b + ".") for b in profile.blocks)
-            if kind == "RowwiseParallel":
-                calls = 1 + (recompute if in_block else 0)
-                out.append(Collective("all_reduce", n_out * profile.compute_size, tp, "tp", calls, False))
-            elif kind == "ColwiseParallel":
-                out.append(Collective("all_reduce", n_in * profile.compute_size, tp, "tp", 1, False))
-                layouts_out = getattr(style, "output_layouts", (None,))[0]
-                if layouts_out is not None and layouts_out.is_replicate() and not opts.loss_parallel:
-                    out.append(Collective("all_gather", n_out * profile.compute_size, tp, "tp", 1, False))
+        recompute = 1 if opts.checkpointing in ("full", "selective-op") else 0  # recomputed forward collectives
+        for t in profile.tp_transfers(plan, tp, opts):
+            in_block = any(t.fqn.startswith(b + ".") for b in profile.blocks)
+            calls = 1 + (recompute if t.forward and t.kind == "all_reduce" and in_block else 0)
+            out.append(Collective(t.kind, t.elements * profile.compute_size, tp, "tp", calls, False))
     return out
 
 

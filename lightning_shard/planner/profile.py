@@ -382,30 +382,96 @@ class ActivationProfile:
         Under sequence parallelism each all-reduce becomes a reduce-scatter plus an all-gather of the same
         total volume; it is reported as ``all_reduce``. Loss parallel drops the logits all-gather.
         """
-        opts = opts or ActivationOptions()
-        reduce = gather = 0
+        sent = {"all_reduce": 0, "all_gather": 0}
         if tp == 1 or not plan:
-            return {"all_reduce": 0, "all_gather": 0}
-        for fqn, style in plan.items():
+            return sent
+        for t in self.tp_transfers(plan, tp, opts):  # an all-gather sends this rank's chunk of the output
+            sent[t.kind] += (-(-t.elements // tp) if t.kind == "all_gather" else t.elements) * self.compute_size
+        return sent
+
+    def tp_transfers(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> list[TPTransfer]:
+        """The TP collectives of one step, one entry per module (``elements``: the collective's tensor, i.e. the
+        reduced tensor or the gathered output, per call):
+
+        =====================================  ===================================================
+        plan entry                             collective
+        =====================================  ===================================================
+        ``RowwiseParallel``                    forward all-reduce of the partial output
+        ``ColwiseParallel``, plain input       backward all-reduce of the partial input gradient
+        ``ColwiseParallel`` under a module     none of its own: the enclosing module's
+        whose ``PrepareModuleInput`` hands     ``PrepareModuleInput`` redistributes the input once,
+        it a DTensor (q/k/v, gate/up)          so one backward all-reduce per region
+        ``ColwiseParallel``, replicated out    forward all-gather of the output (not with loss parallel)
+        =====================================  ===================================================
+        """
+        opts = opts or ActivationOptions()
+        regions = _shared_input_regions(plan)
+        region_input: dict[str, int] = {}
+        out: list[TPTransfer] = []
+        for fqn, style in flat_styles(plan):
             kind = type(style).__name__
             if fqn not in self.io:
                 continue
             n_in, n_out = self.io[fqn]
             if kind == "RowwiseParallel":
-                reduce += n_out  # forward all-reduce of the partial output
+                out.append(TPTransfer("all_reduce", n_out, fqn, forward=True))
             elif kind == "ColwiseParallel":
-                reduce += n_in  # backward all-reduce of the partial input gradient
-                out = getattr(style, "output_layouts", (None,))[0]
-                if out is not None and out.is_replicate() and not opts.loss_parallel:
-                    gather += -(-n_out // tp)  # forward all-gather of the sharded output
-        return {"all_reduce": reduce * self.compute_size, "all_gather": gather * self.compute_size}
+                if fqn in regions:
+                    region_input[regions[fqn]] = max(region_input.get(regions[fqn], 0), n_in)
+                else:
+                    out.append(TPTransfer("all_reduce", n_in, fqn, forward=False))
+                layout = getattr(style, "output_layouts", (None,))[0]
+                if layout is not None and layout.is_replicate() and not opts.loss_parallel:
+                    out.append(TPTransfer("all_gather", n_out, fqn, forward=True))
+        out += [TPTransfer("all_reduce", n, region, forward=False) for region, n in region_input.items()]
+        return out
+
+
+@dataclass(frozen=True)
+class TPTransfer:
+    """One TP collective of a step: ``kind`` (``"all_reduce"``/``"all_gather"``), ``elements`` of its tensor (the
+    reduced tensor, or the whole gathered output) per call, the module ``fqn`` it belongs to, and whether it
+    runs in forward (then recomputed under activation checkpointing).
+
+    Example: ``TPTransfer("all_reduce", 4096, "layers.0.attention", forward=False)``.
+    """
+
+    kind: str
+    elements: int
+    fqn: str
+    forward: bool
+
+
+def flat_styles(plan: dict) -> list[tuple[str, object]]:
+    """``(fqn, style)`` for every style of a TP plan, where an entry may be a tuple of styles (e.g. a
+    ``PrepareModuleInput`` with the ``DivideAttributes`` of an attention module).
+
+    Example: ``flat_styles({"attn": (prepare, divide)})`` -> ``[("attn", prepare), ("attn", divide)]``.
+    """
+    return [(fqn, s) for fqn, entry in plan.items() for s in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+def _shared_input_regions(plan: dict) -> dict[str, str]:
+    """Column-parallel fqn -> its parent's fqn, where the parent's ``PrepareModuleInput`` hands it a DTensor
+    input (``use_local_output=False``): the region's input gradients are summed locally and reduced once."""
+    prepared = {
+        fqn
+        for fqn, s in flat_styles(plan)
+        if type(s).__name__ == "PrepareModuleInput" and not getattr(s, "use_local_output", True)
+    }
+    return {
+        fqn: fqn.rpartition(".")[0]
+        for fqn, s in flat_styles(plan)
+        if type(s).__name__ == "ColwiseParallel" and fqn.rpartition(".")[0] in prepared
+    }
 
 
 def _sharded_regions(plan: dict) -> tuple[set[str], set[str], set[str]]:
     """(column-parallel fqns, row-parallel fqns, region fqns whose inner activations TP shards)."""
-    col = {f for f, s in plan.items() if type(s).__name__ == "ColwiseParallel"}
-    row = {f for f, s in plan.items() if type(s).__name__ == "RowwiseParallel"}
-    regions = {f for f, s in plan.items() if type(s).__name__ == "DivideAttributes"}
+    styles = flat_styles(plan)
+    col = {f for f, s in styles if type(s).__name__ == "ColwiseParallel"}
+    row = {f for f, s in styles if type(s).__name__ == "RowwiseParallel"}
+    regions = {f for f, s in styles if type(s).__name__ == "DivideAttributes"}
     for f in col:
         out = getattr(plan[f], "output_layouts", (None,))[0]
         if out is not None and out.is_shard():

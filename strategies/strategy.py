@@ -54,6 +54,7 @@ from lightning_shard.checkpoint import (
 from lightning_shard.checkpoint.state_dict import check_param_groups
 from lightning_shard.comm import broadcast_object
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
+from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from numba_kernels import warm_kernels
@@ -459,6 +460,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             f"shard_fsdp_tp: mesh {mesh}, precision {self.precision_plugin.precision}, FSDP units: "
             f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {tp_text}"
         )
+        rank_zero_info(_memory_line(model, summary))
         if coverage is not None and coverage.replicated_fraction > REPLICATED_WARN_FRACTION:
             rank_zero_warn(
                 f"shard_fsdp_tp: tensor parallelism leaves {100 * coverage.replicated_fraction:.1f}% of the "
@@ -676,6 +678,25 @@ def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
     data = meta_file.read_bytes()
     verify_file(str(path), META_FILE, data, read_marker(str(path)))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+
+
+def _memory_line(model: nn.Module, summary: dict) -> str:
+    """The startup summary's memory line: parameters in full vs on this rank (rank 0's shards), and what the
+    gradients and an Adam optimizer add, so a user sees the sharded footprint before the first step. Records
+    ``summary["parameter_bytes"] = (full, this rank)``."""
+    from lightning_shard.planner.estimate import format_bytes
+
+    params = list(model.parameters())
+    full = sum(p.numel() * p.element_size() for p in params)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+    summary["parameter_bytes"] = (full, local)
+    shared = summary.get("shared_left_to_parent") or []
+    tied = f"; shared parameters kept in an enclosing unit: {len(shared)}" if shared else ""
+    return (
+        f"shard_fsdp_tp: parameters {sum(p.numel() for p in params) / 1e6:.2f} M, {format_bytes(full)} in full, "
+        f"{format_bytes(local)} on this rank (gradients the same again, Adam state 2x more: ~{format_bytes(4 * local)} "
+        f"of model states per rank before activations){tied}"
+    )
 
 
 def _local_loss(out):

@@ -71,9 +71,17 @@ class LitDemo(L.LightningModule):
 
 @distributed(world_size=2)
 def test_startup_reports_tp_coverage_and_warns_when_mostly_replicated():
-    infos, warns = _fit(LitGPT(arch="llama"))
+    infos_module = LitGPT(arch="llama")
+    infos, warns = _fit(infos_module)
     line = next(m for m in infos if m.startswith("shard_fsdp_tp: mesh"))
     assert "TP shards 100.0% of weight-matrix elements" in line, line
+    memory = next(m for m in infos if m.startswith("shard_fsdp_tp: parameters"))
+    model = infos_module.model
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    assert infos_module.trainer.strategy.parallel_summary["parameter_bytes"] == (full, local)
+    assert 0.3 * full < local < 0.7 * full, memory  # TP 2 halves the weight matrices; norms stay replicated
+    assert f"{full / 1024:.2f} KiB in full, {local / 1024:.2f} KiB on this rank" in memory, memory
     assert warns == [], warns
     infos, warns = _fit(LitDemo())
     line = next(m for m in infos if m.startswith("shard_fsdp_tp: mesh"))

@@ -81,6 +81,8 @@ def _worker(rank: int, port: int, path: str, mode: str, out: str) -> None:
                 raise AssertionError("a partial checkpoint was loaded")
             except ValueError as e:
                 assert "save that did not finish" in str(e), e
+            # Every rank has looked at the stale dir before the next save's rank 0 clears it.
+            dist.barrier()
             save(_state(3.0), path)  # a later good save replaces it and removes the stale temp dir
             state = _state(0.0)
             load(state, path)

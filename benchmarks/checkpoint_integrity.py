@@ -8,7 +8,7 @@ of ``--mib`` MiB each (a model and its optimizer state look the same to the writ
 
 Example::
 
-    python benchmarks/checkpoint_integrity.py --dir /work/bench-ckpt --tensors 16 --mib 16 --repeats 5
+    python benchmarks/checkpoint_integrity.py --dir bench-ckpt --tensors 16 --mib 16 --repeats 5
 """
 
 from __future__ import annotations

@@ -413,3 +413,19 @@ def test_interop_2d_nested_and_strided():
     with pytest.raises(ValueError, match="different layout in torch's _StridedShard"):
         to_torch_dtensor(x)
     assert torch.equal(x.full_tensor(), full)
+
+
+def test_same_storage_on_tensors_without_memory():
+    """Meta and fake tensors all have data pointer 0: aliasing is decided by storage identity, not pointers
+    (distribute_tensor and redistribute clone a local shard only when it aliases its source)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_shard.device import same_storage as _shares_storage
+
+    a, b = torch.empty(4, 4, device="meta"), torch.empty(4, 4, device="meta")
+    assert _shares_storage(a, a[1:]) and not _shares_storage(a, b)
+    with FakeTensorMode():
+        c, d = torch.empty(4, 4), torch.empty(4, 4)
+        assert _shares_storage(c, c.t()) and not _shares_storage(c, d)
+    e = torch.zeros(3)
+    assert _shares_storage(e, e[1:]) and not _shares_storage(e, e.clone())

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_shard import comm
+from lightning_shard.device import same_storage
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor._layout import check_placements
 from lightning_shard.tensor.dtensor import DTensor
@@ -46,7 +47,7 @@ def distribute_tensor(
     spec = DTensorSpec(device_mesh, placements, tensor.shape, stride, tensor.dtype)
     replicated = spec.with_placements(tuple([Replicate()] * device_mesh.ndim))
     local = redistribute_local(full.contiguous(), replicated, placements)
-    if local.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+    if same_storage(local, tensor):
         local = local.clone()  # never alias the caller's tensor (a chunk of it is a view too)
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 

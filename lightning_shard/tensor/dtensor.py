@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_shard.device import same_storage
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor._layout import check_placements, local_shape_and_offset
 from lightning_shard.tensor.placements import Placement, Replicate
@@ -189,10 +190,6 @@ def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     return tuple(stride)
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def _check_local_shapes(local: torch.Tensor, spec: DTensorSpec) -> None:
     """Raise the same ValueError on every rank if any rank's local shape does not fit the global shape."""
     import torch.distributed as dist
@@ -276,7 +273,7 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         ctx.spec = x._spec
         local = redistribute_local(x._local_tensor, x._spec, placements)
-        if placements != x.placements and _shares_storage(local, x._local_tensor):
+        if placements != x.placements and same_storage(local, x._local_tensor):
             local = local.clone()  # a local chunk (Replicate -> Shard) must not alias the source
         return DTensor(local, x._spec.with_placements(placements), requires_grad=x.requires_grad)
 

@@ -67,24 +67,19 @@ def _kwarg_layouts(value: dict, where: str) -> dict | None:
     return {k: _placement(p, where) for k, p in value.items()} or None
 
 
-def _colwise(s, where: str) -> list[ParallelStyle]:
-    return [
-        ColwiseParallel(
-            input_layouts=_placement(s.input_layouts[0], where),
-            output_layouts=_placement(s.output_layouts[0], where),
-            use_local_output=s.use_local_output,
-        )
-    ]
+def _linear(ours: type[ColwiseParallel] | type[RowwiseParallel]) -> Callable[[object, str], list[ParallelStyle]]:
+    """Converter for torch's Colwise/RowwiseParallel: both store one input and one output layout."""
 
+    def convert(s, where: str) -> list[ParallelStyle]:
+        return [
+            ours(
+                input_layouts=_placement(s.input_layouts[0], where),
+                output_layouts=_placement(s.output_layouts[0], where),
+                use_local_output=s.use_local_output,
+            )
+        ]
 
-def _rowwise(s, where: str) -> list[ParallelStyle]:
-    return [
-        RowwiseParallel(
-            input_layouts=_placement(s.input_layouts[0], where),
-            output_layouts=_placement(s.output_layouts[0], where),
-            use_local_output=s.use_local_output,
-        )
-    ]
+    return convert
 
 
 def _sequence(s, where: str) -> list[ParallelStyle]:
@@ -120,8 +115,8 @@ def _prepare_input_output(s, where: str) -> list[ParallelStyle]:
 
 # torch's class name -> converter; each converter reads the attributes torch's __init__ stores.
 _CONVERTERS: dict[str, Callable[[object, str], list[ParallelStyle]]] = {
-    "ColwiseParallel": _colwise,
-    "RowwiseParallel": _rowwise,
+    "ColwiseParallel": _linear(ColwiseParallel),
+    "RowwiseParallel": _linear(RowwiseParallel),
     "SequenceParallel": _sequence,
     "PrepareModuleInput": _prepare_input,
     "PrepareModuleOutput": _prepare_output,

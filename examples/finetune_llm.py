@@ -100,14 +100,23 @@ class LitLlama(L.LightningModule):
         self.log("val_ppl", self.val_ppl, prog_bar=True)
 
     def predict_step(self, batch, batch_idx):
-        """Greedy continuation of each prompt (all ranks run it: the forward needs every rank's shards)."""
+        """Greedy continuation of each prompt (all ranks run it: the forward needs every rank's shards).
+
+        With TP > 1 the strategy runs this model sequence-parallel, which needs a sequence length divisible by
+        the TP size: each window is left-filled with ``fill_id`` (a newline, as the prompts are filled).
+        """
         (idx,) = batch
+        multiple = self.trainer.strategy.device_mesh.size("tensor_parallel")
+        keep = self.model.cfg.max_len // multiple * multiple
         for _ in range(self.sample_len):
-            nxt = self(idx[:, -self.model.cfg.max_len :])[:, -1].argmax(-1, keepdim=True)
+            window = idx[:, -keep:]
+            window = F.pad(window, (-window.size(1) % multiple, 0), value=self.fill_id)
+            nxt = self(window)[:, -1].argmax(-1, keepdim=True)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
 
     sample_len = 40
+    fill_id = 0  # main() sets the newline's id
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         hidden=(8 * args.dim // 3 + 31) // 32 * 32,
         max_len=max(256, args.seq_len),
     )
+    model.fill_id = corpus.stoi["\n"]
     out = Path(args.out_dir)
     callbacks: list[L.Callback] = [PrintSummary()]
     if args.save_every:

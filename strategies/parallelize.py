@@ -86,7 +86,7 @@ def apply_parallelism(
     cpu_offload: bool,
     fsdp_mesh: DeviceMesh,
     activation_checkpointing_policy: set[type] | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     loss_parallel: bool = False,
 ) -> dict:
     """TP (if the TP dim is larger than 1), activation checkpointing, FSDP; returns a summary dict.

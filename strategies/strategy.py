@@ -85,10 +85,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
         sequence_parallel: with ``tp_plan="auto"``, shard the activations between blocks on the sequence dim
             (norms and residuals on ``T / tp`` tokens; each block's all-reduces become all-gather +
-            reduce-scatter pairs). Off by default: model code between the blocks must then handle
-            sequence shards (Hugging Face models build masks and positions from the embedding's shape).
-            A sequence length not divisible by the TP size raises. Ignored where the plan cannot apply it
-            (the startup summary says why).
+            reduce-scatter pairs). ``"auto"`` (default): on where the blocks allow it and nothing outside
+            them could be indexed by position; off, with the reason in the startup summary, for Hugging
+            Face models (they build masks and positions from the embedding's shape), encoder-decoders,
+            ``nn.MultiheadAttention`` and models holding a position table outside the blocks. ``True``
+            forces it (a Hugging Face model is then refused), ``False`` turns it off. Under sequence
+            parallel a sequence length not divisible by the TP size raises, naming the fix (pad it).
         loss_parallel: with ``tp_plan="auto"``, the LM head returns vocabulary-sharded DTensor logits and
             ``training_step`` and ``backward`` run inside ``lightning_shard.tp.loss_parallel()``, so
             ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())`` never gathers the logits. The loss is
@@ -117,7 +119,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         tensor_parallel_size: int | Literal["auto"] = 1,
         fsdp_unit: str | set[type] | Callable[[nn.Module], bool] = "auto",
         tp_plan: str | dict | None = "auto",
-        sequence_parallel: bool = False,
+        sequence_parallel: bool | Literal["auto"] = "auto",
         loss_parallel: bool = False,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool = False,
@@ -159,10 +161,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._tensor_parallel_size = tensor_parallel_size
         self.fsdp_unit = fsdp_unit
         self.tp_plan = tp_plan
+        if sequence_parallel != "auto" and not isinstance(sequence_parallel, bool):
+            raise TypeError(f"shard_fsdp_tp: sequence_parallel={sequence_parallel!r} must be True, False or 'auto'")
+        if not isinstance(loss_parallel, bool):
+            raise TypeError(f"shard_fsdp_tp: loss_parallel={loss_parallel!r} must be True or False")
         for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if not isinstance(value, bool):
-                raise TypeError(f"shard_fsdp_tp: {name}={value!r} must be True or False")
-            if value and tp_plan != "auto":
+            if value is True and tp_plan != "auto":
                 raise ValueError(
                     f"shard_fsdp_tp: {name}=True applies to tp_plan='auto'; with tp_plan={type(tp_plan).__name__} "
                     "write the sequence-parallel or loss-parallel layouts into your plan instead"
@@ -378,7 +382,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 batch=batch, seq_len=seq_len, cpu_offload=self.cpu_offload,
                 reshard_after_forward=self.reshard_after_forward, example_input=example_input, step=step,
                 activation_checkpointing=self.activation_checkpointing_policy,
-                sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, hybrid_shard=hybrid,
+                # "auto" may still turn out off for this model: the estimate assumes it off (the larger footprint)
+                sequence_parallel=self.sequence_parallel is True, loss_parallel=self.loss_parallel,
+                hybrid_shard=hybrid,
                 device=device,
             )  # fmt: skip
         except NoFitError:

@@ -15,8 +15,8 @@ def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
 
 
 class LitGPT(L.LightningModule):
-    """A LightningModule around a small LM: ``arch="gpt"`` (tests/fsdp_models.TinyGPT) or ``"llama"``
-    (tests/tp_models.Llama, for tensor parallelism)."""
+    """A LightningModule around a small LM: ``arch="gpt"`` (tests/fsdp_models.TinyGPT), ``"llama"``
+    (tests/tp_models.Llama, for tensor parallelism) or ``"llama_pos"`` (tests/tp_models.LlamaWithPositionTable)."""
 
     def __init__(self, lr: float = 0.1, meta_init: bool = False, per_rank_batch: int = 4, arch: str = "gpt") -> None:
         super().__init__()
@@ -71,6 +71,10 @@ def _build(arch: str):
         from tests.tp_models import Llama
 
         return Llama(vocab=VOCAB)
+    if arch == "llama_pos":
+        from tests.tp_models import LlamaWithPositionTable
+
+        return LlamaWithPositionTable(vocab=VOCAB)
     return TinyGPT()
 
 

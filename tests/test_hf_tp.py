@@ -164,3 +164,12 @@ def _summary_sp(family):
     model = hf_models.build(family)
     plan, summary = auto_tp_plan(model, 2, sequence_parallel=True, return_summary=True)
     return model, plan, summary
+
+
+@pytest.mark.parametrize("family, cls", [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
+def test_sequence_parallel_auto_is_off_on_hf_decoders(family, cls):
+    # The strategy's default: the same models plan without sequence parallel and say why.
+    model = hf_models.build(family)
+    plan, summary = auto_tp_plan(model, 2, sequence_parallel="auto", return_summary=True)
+    assert summary[0].startswith(f"sequence_parallel: off (the Hugging Face model {cls} builds"), summary[0]
+    assert {k: repr(v) for k, v in plan.items()} == {k: repr(v) for k, v in auto_tp_plan(model, 2).items()}

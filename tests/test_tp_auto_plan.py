@@ -3,6 +3,8 @@ the plan only needs the TP size)."""
 
 from __future__ import annotations
 
+import pytest
+
 from lightning_shard.tensor import Replicate, Shard
 from lightning_shard.tp import (
     ColwiseParallel,
@@ -117,3 +119,31 @@ def test_bert_classifier_gathers_before_pooling():
     assert any(s.startswith("classifier: Linear 32 -> 3") and s.endswith("left replicated") for s in summary)
     assert isinstance(plan["layers.1"], PrepareModuleOutput)
     assert "classifier" not in plan and "pooler" not in plan
+
+
+def test_sequence_parallel_auto_on_where_blocks_allow_it():
+    for model in (tp_models.Llama(), tp_models.GPT2()):
+        plan_auto, summary_auto = _plan(model, sequence_parallel="auto")
+        plan_on, summary_on = _plan(model, sequence_parallel=True)
+        assert summary_auto[0] == "sequence_parallel: on (sequence dim 1)", summary_auto[:2]
+        assert {k: repr(v) for k, v in plan_auto.items()} == {k: repr(v) for k, v in plan_on.items()}
+    # Structural reasons turn it off exactly as for True (never an error).
+    _, summary = _plan(tp_models.demo_transformer(), sequence_parallel="auto")
+    assert summary[0].startswith("sequence_parallel: off (nn.MultiheadAttention"), summary[0]
+
+
+def test_sequence_parallel_auto_off_for_a_position_table_outside_the_blocks():
+    _, summary = _plan(tp_models.LlamaWithPositionTable(), sequence_parallel="auto")
+    assert summary[0] == (
+        "sequence_parallel: off (parameter pos (16, 32) outside the blocks may be indexed by position, which "
+        "sequence parallel would shard; pass sequence_parallel=True if it is not)"
+    ), summary[0]
+    _, summary = _plan(
+        tp_models.LlamaWithPositionTable(), sequence_parallel=True
+    )  # an explicit True is the user's call
+    assert summary[0] == "sequence_parallel: on (sequence dim 1)", summary[0]
+
+
+def test_sequence_parallel_rejects_other_values():
+    with pytest.raises(ValueError, match="sequence_parallel='yes' must be True, False or 'auto'"):
+        auto_tp_plan(tp_models.Llama(), 2, sequence_parallel="yes")

@@ -102,11 +102,35 @@ def test_sequence_parallel_and_loss_parallel_match_single_device():
         assert _max_diff(module, ref) < 1e-5, (sp, lp)
 
 
+@distributed(world_size=2)
+def test_sequence_parallel_default_is_on_where_safe_and_off_for_a_position_table():
+    ref = reference_params(3, world=1, arch="llama")
+    module = LitGPT(arch="llama")
+    _fit(module)  # defaults: sequence_parallel="auto"
+    summary = module.trainer.strategy.parallel_summary["tp_summary"]
+    assert summary[0] == "sequence_parallel: on (sequence dim 1)", summary[:2]
+    assert _max_diff(module, ref) < 1e-5
+    # A position table sliced by the local sequence length: "auto" keeps it off and training stays exact; forced
+    # on, the same model trains wrong without an error (what the check prevents).
+    ref = reference_params(3, world=1, arch="llama_pos")
+    module = LitGPT(arch="llama_pos")
+    _fit(module)
+    summary = module.trainer.strategy.parallel_summary["tp_summary"]
+    assert summary[0].startswith("sequence_parallel: off (parameter model.pos (16, 32) outside the blocks"), summary[0]
+    assert _max_diff(module, ref) < 1e-5
+    forced = LitGPT(arch="llama_pos")
+    _fit(forced, sequence_parallel=True)
+    assert _max_diff(forced, ref) > 1e-3
+
+
 def test_options_need_the_auto_plan():
     with pytest.raises(ValueError, match="sequence_parallel=True applies to tp_plan='auto'"):
         strategies.ShardFSDPTPStrategy(tp_plan={}, sequence_parallel=True)
     with pytest.raises(TypeError, match="loss_parallel='yes' must be True or False"):
         strategies.ShardFSDPTPStrategy(loss_parallel="yes")
+    with pytest.raises(TypeError, match="sequence_parallel='on' must be True, False or 'auto'"):
+        strategies.ShardFSDPTPStrategy(sequence_parallel="on")
+    strategies.ShardFSDPTPStrategy(tp_plan={})  # the default "auto" does not conflict with a user's plan
 
 
 @distributed(world_size=2)

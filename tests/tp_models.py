@@ -107,6 +107,22 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+class LlamaWithPositionTable(Llama):
+    """``Llama`` plus a learned table of positions added after the embedding and sliced by the sequence length
+    the model's own code sees (under sequence parallel: the local shard's length, a silently wrong sum)."""
+
+    def __init__(self, max_len: int = 16, **kw) -> None:
+        super().__init__(max_len=max_len, **kw)
+        self.pos = nn.Parameter(torch.randn(max_len, self.tok_embeddings.embedding_dim) * 0.02)
+
+    def forward(self, idx):
+        x = self.tok_embeddings(idx)
+        x = x + self.pos[: x.size(1)]
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
 # ----------------------------------------------------------------------------- GPT-2
 
 

@@ -38,6 +38,10 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   output is gathered (``PrepareModuleOutput``) for a pooler/classifier. Only when every block's attention
   and MLP are sharded submodules; otherwise the summary says why it is off. A Hugging Face model where it
   would be on gets a ``ValueError`` (its forward builds masks and positions from the sharded embedding output).
+  ``sequence_parallel="auto"`` (the strategy's default) is ``True`` where that applies, except that a Hugging
+  Face model, or a tensor of 2+ dims outside the blocks owned by anything but an embedding, Linear or norm
+  (a position table the model's own code could slice by the local sequence length), turns it off with the
+  reason instead.
 
 Example::
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Literal
 
 from torch import nn
 
@@ -266,11 +271,67 @@ def _hugging_face_model(modules: dict[str, nn.Module], block: str) -> str | None
     return None
 
 
+def _sequence_parallel_choice(value) -> bool:
+    """``True``/``"auto"`` -> try sequence parallel, ``False`` -> not; anything else is refused."""
+    if value is True or value == "auto":
+        return True
+    if value is False:
+        return False
+    raise ValueError(f"auto_tp_plan: sequence_parallel={value!r} must be True, False or 'auto'")
+
+
+def _sequence_parallel_blocker(modules, blocks, attns, mlps, mha) -> str | None:
+    """Why the blocks' structure rules sequence parallel out, or None."""
+    if mha:
+        return f"nn.MultiheadAttention at {mha[0]} needs a replicated input"
+    if not blocks:
+        return "no repeated blocks (nn.ModuleList of attention/MLP blocks) found"
+    if len(stacks := sorted({b.rsplit(".", 1)[0] for b in blocks})) > 1:
+        # An encoder's last norm would hand its sequence shard to the decoder's cross-attention, whose k/v
+        # projections take a plain tensor as replicated: wrong results, no error.
+        return f"blocks in {len(stacks)} stacks ({', '.join(stacks)}): an encoder-decoder"
+    for b in blocks:
+        a = [x for x in attns.values() if x.fqn.startswith(b + ".")]
+        p = [x for x in mlps.values() if x.fqn.startswith(b + ".")]
+        if not a or not all(x.sharded for x in a):
+            return f"block {b} has no sharded attention submodule"
+        if not p or not all(x.sharded and x.whole_module for x in p):
+            return f"block {b} has no sharded MLP submodule"
+    return None
+
+
+def _position_table_outside_blocks(model: nn.Module, modules: dict[str, nn.Module], blocks: list[str]) -> str | None:
+    """For ``"auto"``: a tensor of 2+ dims outside the blocks that no position-wise module owns, else None.
+
+    Under sequence parallel the code between the embedding and the blocks sees only this rank's part of the
+    sequence as a plain tensor. A position table there (``x + self.pe[:x.size(1)]``, a learned ``nn.Parameter``
+    of positions) would then add positions ``0..T/tp`` on every rank: a wrong result with no error. Embeddings,
+    Linears and norms act on each position alone, and one-dim tensors broadcast over channels, so those are
+    safe; anything else turns ``"auto"`` off and is named (``sequence_parallel=True`` overrides it).
+    """
+
+    def position_wise(owner: nn.Module) -> bool:
+        return isinstance(owner, (nn.Embedding, nn.Dropout)) or is_linear(owner) or _is_norm(owner)
+
+    named = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    for name, t in named:
+        owner_fqn = name.rpartition(".")[0]
+        if any(owner_fqn == b or owner_fqn.startswith(b + ".") for b in blocks):
+            continue
+        if t.ndim >= 2 and not position_wise(modules[owner_fqn]):
+            kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+            return (
+                f"{kind} {name} {tuple(t.shape)} outside the blocks may be indexed by position, which sequence "
+                "parallel would shard; pass sequence_parallel=True if it is not"
+            )
+    return None
+
+
 def auto_tp_plan(
     model: nn.Module,
     tp_mesh: DeviceMesh | int,
     *,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | Literal["auto"] = False,
     loss_parallel: bool = False,
     return_summary: bool = False,
 ) -> dict[str, ParallelStyle | tuple[ParallelStyle, ...]] | tuple[dict, list[str]]:
@@ -281,6 +342,9 @@ def auto_tp_plan(
     ``return_summary=True`` returns ``(plan, summary)`` where ``summary`` is a list of lines, one per
     considered module: ``"<fqn>: <how it is sharded>"`` or ``"<fqn>: <why not>, left replicated"``.
     ``loss_parallel=True`` makes the LM head return vocab-sharded DTensor logits for ``loss_parallel()``.
+    ``sequence_parallel="auto"`` (the strategy's default) turns it on where ``True`` would apply and nothing
+    outside the blocks could be indexed by position (see the module docstring); otherwise off with the reason
+    as the first summary line, never an error.
 
     Example::
 
@@ -372,38 +436,25 @@ def auto_tp_plan(
         mlp.sharded = mlp.hidden % tp == 0
 
     # ---- can sequence parallel run?
-    sp = sequence_parallel
+    sp = _sequence_parallel_choice(sequence_parallel)
     if sp:
-        why = None
-        if mha:
-            why = f"nn.MultiheadAttention at {mha[0]} needs a replicated input"
-        elif not blocks:
-            why = "no repeated blocks (nn.ModuleList of attention/MLP blocks) found"
-        elif len(stacks := sorted({b.rsplit(".", 1)[0] for b in blocks})) > 1:
-            # An encoder's last norm would hand its sequence shard to the decoder's cross-attention, whose
-            # k/v projections take a plain tensor as replicated: wrong results, no error.
-            why = f"blocks in {len(stacks)} stacks ({', '.join(stacks)}): an encoder-decoder"
-        else:
-            for b in blocks:
-                a = [x for x in attns.values() if x.fqn.startswith(b + ".")]
-                p = [x for x in mlps.values() if x.fqn.startswith(b + ".")]
-                if not a or not all(x.sharded for x in a):
-                    why = f"block {b} has no sharded attention submodule"
-                elif not p or not all(x.sharded and x.whole_module for x in p):
-                    why = f"block {b} has no sharded MLP submodule"
-                if why:
-                    break
+        why = _sequence_parallel_blocker(modules, blocks, attns, mlps, mha)
+        hf = _hugging_face_model(modules, blocks[0]) if blocks and why is None else None
+        if why is None and hf is not None:
+            if sequence_parallel is True:
+                # Explicitly asked for and cannot work: refuse here, on every rank alike, instead of a raw
+                # shape error in forward or an option silently ignored.
+                raise ValueError(
+                    f"auto_tp_plan: sequence_parallel=True cannot apply to the Hugging Face model {hf}: its "
+                    "forward builds the attention mask and positions from the embedding output, which sequence "
+                    "parallel shards along the sequence (a shape mismatch in forward); pass sequence_parallel=False"
+                )
+            why = f"the Hugging Face model {hf} builds its attention mask and positions from the embedding output"
+        if why is None and sequence_parallel == "auto":
+            why = _position_table_outside_blocks(model, modules, blocks)
         if why:
             lines.append(f"sequence_parallel: off ({why})")
             sp = False
-        elif (hf := _hugging_face_model(modules, blocks[0])) is not None:
-            # Explicitly asked for and cannot work: refuse here, on every rank alike, instead of a raw shape
-            # error in forward or an option silently ignored.
-            raise ValueError(
-                f"auto_tp_plan: sequence_parallel=True cannot apply to the Hugging Face model {hf}: its forward "
-                "builds the attention mask and positions from the embedding output, which sequence parallel "
-                "shards along the sequence (a shape mismatch in forward); pass sequence_parallel=False"
-            )
         else:
             lines.append("sequence_parallel: on (sequence dim 1)")
     seq = Shard(1)

@@ -181,6 +181,7 @@ class _OpLog(TorchDispatchMode):
         self.causal_attention_flops = 0
         self.flops: list[tuple[tuple[str, ...], int]] = []  # (module path, forward FLOPs) per matmul/attention
         self.memory_bound: list[tuple[tuple[str, ...], int]] = []  # (module path, bytes written) other ops
+        self.loss_log_softmax = False  # the loss runs a log-softmax (cross-entropy): loss parallel decomposes it
 
     def _memory_bound(self, args, kwargs, out) -> None:
         """Bytes a non-matmul op writes into new storage (views and in-place ops write none): eager
@@ -197,6 +198,8 @@ class _OpLog(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name not in _MATMULS and name not in _ATTENTION:
             self._memory_bound(args, kwargs, out)
+        if name == "_log_softmax" and self.stack[-1:] == [LOSS]:
+            self.loss_log_softmax = True
         if name in _MATMULS:
             self.outputs.append((tuple(self.stack), "mm", out.untyped_storage().nbytes()))
             a = args[1] if name in ("addmm", "baddbmm") else args[0]
@@ -245,6 +248,7 @@ class ActivationProfile:
     block_backward: int = 0  # measured: peak bytes the last block's backward allocates (input gradients only)
     head: tuple[str, ...] = ()  # modules run after the last block: their gradients exist before the blocks'
     head_overlap: float = 0.0  # measured: share of the head's weight gradients adding to the loss backward's peak
+    loss_log_softmax: bool = False  # the loss runs a log-softmax (cross-entropy)
     attention: str = "flash"
 
     def memory_bound_bytes(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> int:
@@ -388,7 +392,7 @@ class ActivationProfile:
         shards = tp if opts.loss_parallel else 1
         measured = self.loss_backward or self.logits_numel * max(4 + 4, 4 + self.compute_size)
         gathered = self._gathered_logits(plan, tp, opts) * self.compute_size
-        return max(measured // shards, gathered + gathered // tp)
+        return max(measured // shards + self._decomposed_log_softmax(tp, opts), gathered + gathered // tp)
 
     def loss_forward_bytes(self, tp: int, opts: ActivationOptions | None = None, plan: dict | None = None) -> int:
         """End of forward: the logits and what the loss allocates beyond the tensors it saves (e.g. the fp32
@@ -398,7 +402,17 @@ class ActivationProfile:
         of the two."""
         opts = opts or ActivationOptions()
         gathered = self._gathered_logits(plan, tp, opts) * self.compute_size
-        return max(self.loss_forward // (tp if opts.loss_parallel else 1), 2 * gathered + 2 * gathered // tp)
+        local = self.loss_forward // (tp if opts.loss_parallel else 1) + self._decomposed_log_softmax(tp, opts)
+        return max(local, 2 * gathered + 2 * gathered // tp)
+
+    def _decomposed_log_softmax(self, tp: int, opts: ActivationOptions) -> int:
+        """Loss parallel runs log-softmax and its backward as local ops around two all-reduces
+        (``lightning_shard.tp.loss``, as torch's ``loss_parallel``) instead of the fused kernels the meta run
+        measures: forward holds the shifted logits and their exponential beside the output, backward
+        ``exp(out)`` and its product beside the result, each one fp32 tensor of the local logits more."""
+        if tp == 1 or not opts.loss_parallel or not self.loss_log_softmax:
+            return 0
+        return 4 * self.logits_numel // tp
 
     def loss_saved_bytes(self, tp: int, opts: ActivationOptions | None = None) -> int:
         """Per rank, the loss's saved tensors (freed by the loss's backward, before any block's)."""
@@ -796,6 +810,7 @@ def profile_activations(
         attention=attention,
         head=head,
         head_overlap=head_overlap,
+        loss_log_softmax=oplog.loss_log_softmax,
     )
 
 

@@ -837,7 +837,7 @@ def _block_backward_transient(io) -> int:
     try:
         with _LiveBytes() as in_backward:
             torch.autograd.grad(y, x, grad)
-    except RuntimeError:  # e.g. the graph was already freed by a custom step
+    except Exception:  # e.g. the graph was already freed by a custom step: one block's saved bytes stand in
         return 0
     return grad.untyped_storage().nbytes() + in_backward.peak
 
@@ -863,12 +863,15 @@ def _loss_transients(
     if not (isinstance(loss, torch.Tensor) and loss.requires_grad and logits.requires_grad):
         return forward, 0, 0.0
     target = block_output if block_output is not None else logits
-    with _LiveBytes() as in_backward:
-        torch.autograd.grad(loss, target, retain_graph=bool(head_params))
-    if not head_params:
-        return forward, in_backward.peak, 0.0
-    with _LiveBytes() as with_head:  # again, also computing the head's weight gradients, kept to the end
-        grads = torch.autograd.grad(loss, [target, *head_params])
+    try:
+        with _LiveBytes() as in_backward:
+            torch.autograd.grad(loss, target, retain_graph=bool(head_params))
+        if not head_params:
+            return forward, in_backward.peak, 0.0
+        with _LiveBytes() as with_head:  # again, also computing the head's weight gradients, kept to the end
+            grads = torch.autograd.grad(loss, [target, *head_params])
+    except Exception:  # a loss or model whose backward cannot run on meta: the formula stands in
+        return forward, 0, 0.0
     head = sum(g.untyped_storage().nbytes() for g in grads[1:])
     return forward, in_backward.peak, min(1.0, max(0, with_head.peak - in_backward.peak) / head) if head else 0.0
 

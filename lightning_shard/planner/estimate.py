@@ -23,6 +23,9 @@ Where each number comes from (the engine's real layout, not a rule of thumb):
   inside attention/MLP modules whose projections TP shards, the bytes divide by ``tp``; norms, residuals,
   embeddings and logits stay replicated unless sequence parallelism (norms, residuals) or loss parallelism (the
   loss) shards them. Activation checkpointing, the backward transient and FLOPs: see ``planner.profile``.
+* **Peak**: ``device_total`` is the largest of four phase peaks (setup, forward, backward, optimizer), each
+  the sum of the terms alive together (see :func:`_phase_peaks`); checked against the fake-tensor simulator
+  by ``benchmarks/planner_vs_simulator.py``.
 * **Communication** (bytes each rank *sends into* collectives, the convention of
   ``lightning_shard.comm.count_collectives``): FSDP all-gathers of ``shard_numel`` elements (compute dtype)
   per group, twice for resharded blocks and once for the root; one reduce-scatter of ``dp * shard_numel``

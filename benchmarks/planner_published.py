@@ -12,8 +12,13 @@ Sources:
   5,762 / 5,605 TPS/GPU, 82.4 / 67.0 GiB. Llama 3.1 70B, FSDP 32 x TP 8 on 256 H100, local batch 16,
   full AC, torch.compile + Float8: 829 TPS/GPU, 71.9 GiB. torchtitan's 2-D plan uses sequence and loss
   parallelism. Their memory is the caching allocator's peak *reserved* memory.
-* The PyTorch FSDP paper (Zhao et al., arXiv 2304.11277) trains GPT-175B on 128 A100s; its figures were not
-  available to this script, so that row prints the planner's prediction without a ratio.
+* torchtitan, docs/performance.md at commit 0413364 of pytorch/torchtitan (the earlier version of the page):
+  Llama 3 8B and 70B, FSDP only, 64 A100 80GB, local batch 1, seq 8192: 8B selective op AC 2,973 WPS (tokens/s
+  per GPU), 70B full AC 331 WPS. bf16, no Float8; the page gives no memory figures and does not say whether
+  torch.compile was on.
+* The PyTorch FSDP paper (Zhao et al., arXiv 2304.11277) trains GPT-175B on 128 A100s; its figures could not be
+  found in the reference library this script was written with, so that row prints the planner's prediction
+  without a ratio.
 """
 
 from __future__ import annotations
@@ -86,8 +91,12 @@ RUNS = [
         peak_gib=67.0, tps=5605),
     Run("torchtitan Llama 3.1 70B, 256 H100 (dp 32 x tp 8)", "llama3.1-70b", 256, (32, 8), 16, 8192, "full",
         "h100", sp=True, lp=True, peak_gib=71.9, tps=829, note="published run: torch.compile + Float8"),
+    Run("torchtitan Llama 3 8B, 64 A100 (FSDP, bf16)", "llama3.1-8b", 64, (64, 1), 1, 8192, "selective-op", "a100",
+        tps=2973, note="earlier torchtitan page: no memory figure"),
+    Run("torchtitan Llama 3 70B, 64 A100 (FSDP, bf16)", "llama3.1-70b", 64, (64, 1), 1, 8192, "full", "a100",
+        tps=331, note="earlier torchtitan page: no memory figure"),
     Run("FSDP paper GPT-175B, 128 A100", "gpt-175b", 128, (128, 1), 1, 2048, "full", "a100",
-        note="published figures not available here"),
+        note="published figures not found in the library"),
 ]  # fmt: skip
 
 

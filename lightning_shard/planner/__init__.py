@@ -15,9 +15,11 @@ Example::
 
 from lightning_shard.planner.estimate import Collective, Estimate, estimate, find_blocks, format_bytes
 from lightning_shard.planner.plan import (
+    Configuration,
     MeshOption,
     NoFitError,
     PlanResult,
+    choose_configuration,
     choose_tensor_parallel_size,
     hsdp_replicas,
     parse_bytes,
@@ -36,6 +38,8 @@ __all__ = [
     "plan",
     "step_time",
     "choose_tensor_parallel_size",
+    "choose_configuration",
+    "Configuration",
     "hsdp_replicas",
     "Estimate",
     "Collective",

@@ -23,6 +23,9 @@ Where each number comes from (the engine's real layout, not a rule of thumb):
   inside attention/MLP modules whose projections TP shards, the bytes divide by ``tp``; norms, residuals,
   embeddings and logits stay replicated unless sequence parallelism (norms, residuals) or loss parallelism (the
   loss) shards them. Activation checkpointing, the backward transient and FLOPs: see ``planner.profile``.
+* **Peak**: ``device_total`` is the largest of four phase peaks (setup, forward, backward, optimizer), each
+  the sum of the terms alive together (see :func:`_phase_peaks`); checked against the fake-tensor simulator
+  by ``benchmarks/planner_vs_simulator.py``.
 * **Communication** (bytes each rank *sends into* collectives, the convention of
   ``lightning_shard.comm.count_collectives``): FSDP all-gathers of ``shard_numel`` elements (compute dtype)
   per group, twice for resharded blocks and once for the root; one reduce-scatter of ``dp * shard_numel``
@@ -187,6 +190,7 @@ class Estimate:
     hardware_flops: int = 0  # what the rank computes: causal attention halved, plus recomputation
     transient_parts: dict = field(default_factory=dict)
     memory_bound_bytes: int = 0  # bytes the forward's non-matmul ops write on this rank (time model)
+    phases: dict = field(default_factory=dict)  # peak bytes per phase: setup, forward, backward, optimizer
 
     @property
     def model_states(self) -> int:
@@ -198,15 +202,12 @@ class Estimate:
 
     @property
     def device_total(self) -> int:
-        states = 0 if self.cpu_offload else self.model_states
-        return (
-            states
-            + self.unsharded_working_set
-            + self.reduce_scatter_staging
-            + self.activations
-            + self.backward_transient
-            + self.buffers
-        )
+        """The step's peak on the device: the largest of the phase peaks (``phases``)."""
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
 
     @property
     def comm_total(self) -> int:
@@ -242,8 +243,9 @@ class Estimate:
             (f"activations (saved for backward, ac={self.options.label})", self.activations),
             ("backward transient", self.backward_transient),
             ("buffers (unsharded)", self.buffers),
-            ("device total", self.device_total),
         ]
+        rows += [(f"peak in {phase}", v) for phase, v in self.phases.items()]
+        rows.append((f"device total (peak, in {self.peak_phase})", self.device_total))
         lines = [f"mesh {self.config}" + (" (CPU offload)" if self.cpu_offload else "")]
         lines += [f"  {name:<52} {format_bytes(v):>10}" for name, v in rows]
         if self.cpu_offload:
@@ -383,9 +385,44 @@ def estimate(
     # Backward transient: at its start the full-vocabulary loss gradient; later, while a block runs backward,
     # its activation gradients (about its own saved bytes) plus, under checkpointing, its recomputed forward.
     transient = {
-        "loss_gradient": profile.loss_gradient_bytes(tp, opts),
-        "block_backward": parts["block"] + parts["recompute"],
+        "loss_gradient": profile.loss_gradient_bytes(tp, opts, plan),
+        "block_backward": profile.block_backward_bytes(plan, tp, opts) + parts["recompute"],
     }
+    on_device = not cpu_offload
+    head_params = {id(p): p for fqn in profile.head for p in model.get_submodule(fqn).parameters(recurse=False)}
+    head_grads = sum(local.get(i, p.shape).numel() for i, p in head_params.items() if p.requires_grad) * c_size
+    setup = _setup_peak(model, blocks, groups, layouts, unsharded, m_size, on_device)
+    phases = _phase_peaks(
+        PhaseTerms(
+            params=params if on_device else 0,
+            optimizer=optim if on_device else 0,
+            grads=grads if on_device else 0,
+            buffers=buffer_bytes(model, precision),
+            setup=setup,
+            root=root_unsharded,
+            head_grads=min(head_grads, root_unsharded),
+            head_overlap=int(min(head_grads, root_unsharded) * profile.head_overlap),
+            block=largest_block,
+            gathered=largest_block * alive_blocks if reshard_after_forward else 0,
+            held=sum(block_unsharded) if not reshard_after_forward else blocks_bytes - largest_block * alive_blocks,
+            offload_copy=(working - (root_unsharded + blocks_bytes + largest_block + root_unsharded)) // 2,
+            saved=parts["saved"],
+            loss_saved=profile.loss_saved_bytes(tp, opts),
+            block_saved=parts["block"] if not opts.checkpointing else 0,
+            loss_forward=profile.loss_forward_bytes(tp, opts, plan),
+            loss_gradient=transient["loss_gradient"],
+            block_backward=transient["block_backward"],
+            block_staging=max(staging_of[:-1], default=0),
+            block_grads=max((lay.shard_numel * m_size for lay in layouts[:-1] if lay is not None), default=0)
+            if on_device
+            else 0,
+            staging=staging,
+            optimizer_temporaries=(2 if optimizer.lower().startswith("adam") else 0)
+            * max((n for lay in layouts if lay is not None for n in _local_sizes(lay)), default=0)
+            * m_size
+            * on_device,
+        )
+    )
 
     collectives = _collectives(groups, layouts, shard, replicas, tp, c_size, r_size, reshard_after_forward,
                                post_forward_size, profile, plan, opts)  # fmt: skip
@@ -431,7 +468,123 @@ def estimate(
         hardware_flops=int(hardware),
         transient_parts=transient,
         memory_bound_bytes=profile.memory_bound_bytes(plan, tp, opts),
+        phases=phases,
     )
+
+
+def _setup_peak(model, blocks, groups, layouts, unsharded, m_size: int, on_device: bool) -> int:
+    """Peak bytes of materialising the sharded model (``to_empty``), buffers aside. ``Module._apply`` visits
+    children before a module's own parameters, so each block is rebuilt in turn (its new local tensors, its
+    flat shard, and the unsharded buffer ``rebuild_after_apply`` allocates and frees), while the root's
+    parameters in modules registered before the first block (the embedding) already have their new local
+    tensors; the root is rebuilt last, beside every block's shard. Under CPU offload the shards go to the
+    host, the local tensors and unsharded buffers are on the device."""
+    flats = [lay.shard_numel * m_size if lay is not None and on_device else 0 for lay in layouts]
+    locals_ = [sum(_local_sizes(lay)) * m_size if lay is not None else 0 for lay in layouts]
+    names = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    first = min((names[id(b)] for b in blocks), default=None)
+    ancestors = {id(m) for m in model.modules() if any(b is m or _contains(m, b) for b in blocks[:1])}
+    before = {id(p) for m in model.modules() if first is not None and names[id(m)] < first
+              and id(m) not in ancestors for p in m.parameters(recurse=False)}  # fmt: skip
+    root_layout, root_params = layouts[-1], groups[-1]
+    early = 0
+    if root_layout is not None:
+        sizes = _local_sizes(root_layout)
+        early = sum(n for p, n in zip(root_params, sizes) if id(p) in before) * m_size
+    peak = sum(flats) + locals_[-1] + unsharded[-1]  # the root, last
+    done = 0
+    for i in range(len(blocks)):
+        done += flats[i]
+        peak = max(peak, early + done + locals_[i] + unsharded[i])
+    return peak
+
+
+def _contains(module: nn.Module, block: nn.Module) -> bool:
+    return any(m is block for m in module.modules())
+
+
+def _local_sizes(layout: GroupLayout) -> list[int]:
+    return [layout.local_rows(i, 0) * layout.inner_numels[i] for i in range(len(layout.shapes))]
+
+
+@dataclass(frozen=True)
+class PhaseTerms:
+    """Per-rank bytes that the phase peaks combine (see :func:`_phase_peaks`). ``params``, ``optimizer``,
+    ``grads``: on the device (0 under CPU offload). ``setup``: the materialisation's peak (see
+    :func:`_setup_peak`). ``root``/``block``: one
+    unsharded group (compute dtype). ``head_grads``: the root's unsharded gradients that exist before the
+    blocks' backward (parameters of the modules run after the last block: the LM head, the final norm), of
+    which ``head_overlap`` coincide with the loss gradient's peak. ``gathered``: blocks unsharded around the
+    running one (current + prefetched, when resharding). ``held``: block parameters kept from forward to backward
+    (``reshard_after_forward=False``: all blocks; ``=k``: their k-way slices). ``saved``: activations at the
+    end of forward, of which ``loss_saved`` the loss's and ``block_saved`` one block's (0 under checkpointing:
+    a checkpointed block keeps only its input). ``block_staging``/``block_grads``: one block's reduce-scatter
+    staging and sharded gradients. ``staging``: the most staging alive at once (end of backward).
+    ``offload_copy``: under CPU offload, one group's shard copied to the device for its all-gather, freed
+    once the all-gather is issued."""
+
+    params: int
+    optimizer: int
+    grads: int
+    buffers: int
+    setup: int
+    root: int
+    head_grads: int
+    head_overlap: int
+    block: int
+    gathered: int
+    held: int
+    offload_copy: int
+    saved: int
+    loss_saved: int
+    block_saved: int
+    loss_forward: int
+    loss_gradient: int
+    block_backward: int
+    block_staging: int
+    block_grads: int
+    staging: int
+    optimizer_temporaries: int
+
+
+def _phase_peaks(t: PhaseTerms) -> dict[str, int]:
+    """Peak bytes on the device per phase of a steady-state step (the optimizer state exists; ``zero_grad``
+    freed the gradients, which come back group by group as backward reduces them):
+
+    ========== ==========================================================================================
+    setup      see :func:`_setup_peak`
+    forward    states + buffers + the root unsharded (from the first to the last forward) + held blocks +
+               every saved activation + the loss's transient (logits, fp32 copy)
+    backward   the largest of: the loss's backward down to the last block (saved activations + the loss
+               gradient + the share of the head's gradients alive at its peak); the first and
+               second block's backward (the root's unsharded parameters, the head's gradients, the current and
+               prefetched blocks, the current block's unsharded gradients, its activation gradients, and
+               for the second the first's reduce-scatter staging and sharded gradients, less the activations
+               already freed); under CPU offload, a block's all-gather (its shard copied to the device beside
+               the gathered blocks); the end (all gradients, the last groups' staging, the root and its
+               gradients)
+    optimizer  states + all gradients + the optimizer's temporaries (the engine's DTensors take torch's
+               for-loop AdamW: ``sqrt`` and the denominator of the largest parameter)
+    ========== ==========================================================================================
+    """
+    base = t.params + t.optimizer + t.buffers
+    activations = t.saved - t.loss_saved
+    blocks = [
+        base + t.root + t.head_grads + t.held + t.gathered + t.block + activations
+        - k * t.block_saved + t.block_backward + k * (t.block_staging + t.block_grads)
+        for k in (0, 1)
+    ]  # fmt: skip
+    return {
+        "setup": t.setup + t.buffers,
+        "forward": base + t.root + t.held + t.saved + t.loss_forward,
+        "backward": max(
+            base + t.root + t.head_overlap + t.held + t.saved + t.loss_gradient,
+            *blocks,
+            base + t.root + t.head_grads + t.held + t.gathered + activations + t.offload_copy,
+            base + t.grads + t.staging + 2 * t.root,
+        ),
+        "optimizer": base + t.grads + t.optimizer_temporaries,
+    }
 
 
 def _collectives(groups, layouts, shard, replicas, tp, c_size, r_size, reshard, post_forward_size, profile, plan,

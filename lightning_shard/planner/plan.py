@@ -347,3 +347,48 @@ def choose_tensor_parallel_size(
         seq_len=seq_len, **kwargs,
     )  # fmt: skip
     return result.choice.mesh[1], result.table
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """What ``"auto"`` settings resolve to: the TP size, activation checkpointing (``None`` or ``"full"``),
+    ``reshard_after_forward``, CPU offload, and the table explaining the choice.
+
+    Example: ``Configuration(2, "full", True, False, table)``.
+    """
+
+    tensor_parallel_size: int
+    activation_checkpointing: str | frozenset | None
+    reshard_after_forward: bool | int
+    cpu_offload: bool
+    table: str
+
+
+def choose_configuration(
+    model: nn.Module,
+    world_size: int,
+    devices_per_node: int,
+    device_memory_bytes: int | str,
+    precision: str,
+    *,
+    batch: int = 1,
+    seq_len: int = 2048,
+    **kwargs,
+) -> Configuration:
+    """The fastest predicted configuration that fits, for a strategy whose TP size, activation checkpointing,
+    ``reshard_after_forward`` and CPU offload may each be ``"auto"`` (pass ``"auto"`` for the ones to search,
+    the user's value for the others; see :func:`plan`). Raises :class:`NoFitError` when nothing fits.
+
+    Example::
+
+        c = choose_configuration(model, 64, 8, "80GB", "bf16-mixed", batch=2, seq_len=8192,
+                                 activation_checkpointing="auto", reshard_after_forward="auto", cpu_offload="auto")
+        c.tensor_parallel_size, c.activation_checkpointing, c.reshard_after_forward, c.cpu_offload
+    """
+    result = plan(
+        model, world_size, devices_per_node, device_memory_bytes, precision=precision, batch=batch,
+        seq_len=seq_len, **kwargs,
+    )  # fmt: skip
+    e = result.choice.estimate
+    return Configuration(result.choice.mesh[1], e.options.checkpointing, e.reshard_after_forward, e.cpu_offload,
+                         result.table)  # fmt: skip

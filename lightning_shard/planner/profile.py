@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -125,7 +126,10 @@ class SavedTensorCounter:
         key = _storage_key(local)
         if key not in self.exclude and key not in self._seen:
             self._seen.add(key)
-            self.records.append((tuple(self._stack), local.untyped_storage().nbytes()))
+            nbytes = local.untyped_storage().nbytes()
+            self.records.append((tuple(self._stack), nbytes))
+            # a backward measured later (_LiveBytes) gets these bytes back when the tensor is freed
+            weakref.finalize(local.untyped_storage(), _saved_tensor_freed, nbytes)
         return t
 
     def __enter__(self) -> SavedTensorCounter:
@@ -177,6 +181,7 @@ class _OpLog(TorchDispatchMode):
         self.causal_attention_flops = 0
         self.flops: list[tuple[tuple[str, ...], int]] = []  # (module path, forward FLOPs) per matmul/attention
         self.memory_bound: list[tuple[tuple[str, ...], int]] = []  # (module path, bytes written) other ops
+        self.loss_log_softmax = False  # the loss runs a log-softmax (cross-entropy): loss parallel decomposes it
 
     def _memory_bound(self, args, kwargs, out) -> None:
         """Bytes a non-matmul op writes into new storage (views and in-place ops write none): eager
@@ -193,6 +198,8 @@ class _OpLog(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name not in _MATMULS and name not in _ATTENTION:
             self._memory_bound(args, kwargs, out)
+        if name == "_log_softmax" and self.stack[-1:] == [LOSS]:
+            self.loss_log_softmax = True
         if name in _MATMULS:
             self.outputs.append((tuple(self.stack), "mm", out.untyped_storage().nbytes()))
             a = args[1] if name in ("addmm", "baddbmm") else args[0]
@@ -236,6 +243,13 @@ class ActivationProfile:
     blocks: tuple[str, ...] = ()
     flops_by_path: list[tuple[tuple[str, ...], int]] = field(default_factory=list)
     memory_bound: list[tuple[tuple[str, ...], int]] = field(default_factory=list)
+    loss_forward: int = 0  # measured: bytes alive beyond the saved tensors while the loss runs (logits included)
+    loss_backward: int = 0  # measured: peak bytes the loss's backward allocates (down to the logits' gradient)
+    block_backward: int = 0  # measured: peak bytes the last block's backward allocates (input gradients only)
+    head: tuple[str, ...] = ()  # modules run after the last block: their gradients exist before the blocks'
+    head_overlap: float = 0.0  # measured: share of the head's weight gradients adding to the loss backward's peak
+    loss_log_softmax: bool = False  # the loss runs a log-softmax (cross-entropy)
+    attention: str = "flash"
 
     def memory_bound_bytes(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> int:
         """Per rank, bytes the forward's non-matmul ops write (sharded like the saved tensors of the same
@@ -368,13 +382,58 @@ class ActivationProfile:
         """Saved bytes per rank when ``plan`` shards the model over ``tp`` ranks (see the module docstring)."""
         return self.breakdown(plan, tp, opts)["saved"]
 
-    def loss_gradient_bytes(self, tp: int, opts: ActivationOptions | None = None) -> int:
-        """Start of backward, at full vocabulary (sharded over TP only under loss parallel): log-softmax's
-        backward holds the gradient of its output (dense fp32, from the NLL loss) and writes the gradient of
-        its input (fp32) beside it; the cast back to the compute dtype that follows holds less (4 + 2 bytes)."""
+    def loss_gradient_bytes(self, tp: int, opts: ActivationOptions | None = None, plan: dict | None = None) -> int:
+        """Start of backward, at full vocabulary (sharded over TP only under loss parallel): the peak the
+        backward from the loss down to the last block allocates, measured on the meta run (cross-entropy: the
+        NLL gradient, dense fp32, and log-softmax's fp32 input gradient beside it, 8 bytes per logit). Without
+        a measurement: that formula. With the logits all-gathered over TP (no loss parallel), the gather's
+        backward also copies this rank's chunk of the logits' gradient while the whole gradient is alive."""
         opts = opts or ActivationOptions()
         shards = tp if opts.loss_parallel else 1
-        return self.logits_numel * max(4 + 4, 4 + self.compute_size) // shards
+        measured = self.loss_backward or self.logits_numel * max(4 + 4, 4 + self.compute_size)
+        gathered = self._gathered_logits(plan, tp, opts) * self.compute_size
+        return max(measured // shards + self._decomposed_log_softmax(tp, opts), gathered + gathered // tp)
+
+    def loss_forward_bytes(self, tp: int, opts: ActivationOptions | None = None, plan: dict | None = None) -> int:
+        """End of forward: the logits and what the loss allocates beyond the tensors it saves (e.g. the fp32
+        copy of bf16 logits), measured on the meta run; sharded over TP only under loss parallel. With the
+        logits all-gathered over TP (no loss parallel), the gather along the vocabulary holds the local logits,
+        their copy laid out for the collective, the gathered buffer and the logits laid out again: the larger
+        of the two."""
+        opts = opts or ActivationOptions()
+        gathered = self._gathered_logits(plan, tp, opts) * self.compute_size
+        local = self.loss_forward // (tp if opts.loss_parallel else 1) + self._decomposed_log_softmax(tp, opts)
+        return max(local, 2 * gathered + 2 * gathered // tp)
+
+    def _decomposed_log_softmax(self, tp: int, opts: ActivationOptions) -> int:
+        """Loss parallel runs log-softmax and its backward as local ops around two all-reduces
+        (``lightning_shard.tp.loss``, as torch's ``loss_parallel``) instead of the fused kernels the meta run
+        measures: forward holds the shifted logits and their exponential beside the output, backward
+        ``exp(out)`` and its product beside the result, each one fp32 tensor of the local logits more."""
+        if tp == 1 or not opts.loss_parallel or not self.loss_log_softmax:
+            return 0
+        return 4 * self.logits_numel // tp
+
+    def loss_saved_bytes(self, tp: int, opts: ActivationOptions | None = None) -> int:
+        """Per rank, the loss's saved tensors (freed by the loss's backward, before any block's)."""
+        opts = opts or ActivationOptions()
+        return int(sum(b / tp if self._sharded(p, {}, opts, tp) else b for p, b in self.records if p[-1:] == (LOSS,)))
+
+    def block_backward_bytes(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> int:
+        """Per rank, what one block's backward allocates for activation gradients: measured at ``tp = 1`` on
+        the meta run, scaled like the block's saved bytes under TP / SP; without a measurement, one block's
+        saved bytes."""
+        per_rank = self.breakdown(plan, tp, opts)["block"]
+        if not self.block_backward:
+            return per_rank
+        whole = self.breakdown({}, 1, ActivationOptions())["block"]
+        return int(self.block_backward * per_rank / whole) if whole else self.block_backward
+
+    def _gathered_logits(self, plan: dict | None, tp: int, opts: ActivationOptions) -> int:
+        """Elements of the largest output TP all-gathers in forward (the logits without loss parallel)."""
+        if tp == 1 or not plan:
+            return 0
+        return max((t.elements for t in self.tp_transfers(plan, tp, opts) if t.kind == "all_gather"), default=0)
 
     def tp_comm(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> dict[str, int]:
         """Bytes each rank sends into TP collectives per step (forward + backward), by collective kind.
@@ -488,6 +547,60 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
             if id(p) not in memo:
                 memo[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
             m._parameters[name] = memo[id(p)]
+
+
+_MEASURING: list[_LiveBytes] = []  # the _LiveBytes blocks running now
+
+
+def _saved_tensor_freed(nbytes: int) -> None:
+    for tracker in _MEASURING:
+        tracker.live -= nbytes
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops create inside the block that are still alive, less the saved tensors (counted
+    by a ``SavedTensorCounter``) that die inside it, and the peak of that (each storage counted from its
+    creation until it is freed). Works on meta tensors, whose storages have sizes.
+
+    Example::
+
+        with _LiveBytes() as during:
+            torch.autograd.grad(loss, logits)
+        during.peak   # bytes the loss's backward needs above what was alive before it
+    """
+
+    def __enter__(self):
+        _MEASURING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _MEASURING.remove(self)
+        return super().__exit__(*exc)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {_storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not hasattr(t, "_local_tensor"):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._seen and key not in inputs:  # views and in-place results allocate nothing
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
 
 
 class _FlashAttentionOnMeta(torch.overrides.TorchFunctionMode):
@@ -607,11 +720,16 @@ def profile_activations(
     example_input: Callable | None = None,
     loss_fn: Callable | None = None,
     step: Callable | None = None,
+    attention: str = "flash",
 ) -> ActivationProfile:
     """Run forward (and the loss) of a meta copy of ``model`` in the compute dtype; record saved tensors,
-    module inputs, matmul/attention outputs and FLOPs. ``step(meta_model, inputs) -> output`` replaces the
-    call ``meta_model(*inputs)`` (e.g. a LightningModule's ``training_step``). Example: see the module
-    docstring."""
+    module inputs, matmul/attention outputs and FLOPs; then the loss's backward down to the logits, for its
+    transient. ``step(meta_model, inputs) -> output`` replaces the call ``meta_model(*inputs)`` (e.g. a
+    LightningModule's ``training_step``). ``attention``: ``"flash"`` (what GPUs and CPUs run: the flash kernel
+    saves q, k, v, the output and the log-sum-exp) or ``"math"`` (the unfused path, which keeps the
+    ``B x H x S x S`` scores; what the simulator's stand-in device runs). Example: see the module docstring."""
+    if attention not in ("flash", "math"):
+        raise ValueError(f"planner: attention={attention!r}; use 'flash' (GPUs, CPUs) or 'math' (unfused)")
     from lightning_shard.planner.estimate import find_blocks, precision_dtypes
 
     _, compute, _ = precision_dtypes(precision)
@@ -631,11 +749,21 @@ def profile_activations(
     units = [*find_blocks(meta), meta]
     if compute != torch.float32:  # FSDP casts each unit's floating inputs to the compute dtype (cast_forward_inputs)
         handles += [u.register_forward_pre_hook(_cast_inputs(compute), with_kwargs=True) for u in units]
+    last_block: list = []  # (input, output) of the last block's forward, for its backward transient
+    after_blocks: list[str] = []  # modules whose forward starts after the last block's (the LM head, ...)
+    blocks_of_meta = find_blocks(meta)
+    if blocks_of_meta:
+        handles.append(blocks_of_meta[-1].register_forward_hook(lambda m, a, o: last_block.append((a, o))))
+        handles += [
+            m.register_forward_pre_hook(lambda m, a: after_blocks.append(names[id(m)]) if last_block else None)
+            for m in meta.modules()
+        ]
     flop_counter = FlopCounterMode(display=False)
     try:
         with SavedTensorCounter(meta) as counter, flop_counter:
             oplog = _OpLog(counter._stack)
-            with oplog, _FlashAttentionOnMeta(), _hugging_face_on_meta():
+            routing = _FlashAttentionOnMeta() if attention == "flash" else contextlib.nullcontext()
+            with oplog, routing, _hugging_face_on_meta():
                 if step is not None:
                     out = step(meta, inputs)
                 else:
@@ -643,8 +771,17 @@ def profile_activations(
                     out = meta(*inputs[:-1], **kwargs) if kwargs is not None else meta(*inputs)
                 counter._stack[:] = [LOSS]
                 logits = _logits_of(out)
-                (loss_fn or default_loss)(out)
+                saved_before_loss = counter.total
+                with _LiveBytes() as in_loss:
+                    loss = (loss_fn or default_loss)(out)
                 counter._stack[:] = []
+        last = last_block[-1] if last_block else None
+        head = tuple(dict.fromkeys(after_blocks))
+        head_params = [q for f in head for q in meta.get_submodule(f).parameters(recurse=False) if q.requires_grad]
+        loss_forward, loss_backward, head_overlap = _loss_transients(
+            logits, loss, in_loss.peak, counter.total - saved_before_loss, _block_output(last), head_params
+        )
+        block_backward = _block_backward_transient(last)
     finally:
         for h in handles:
             h.remove()
@@ -667,7 +804,76 @@ def profile_activations(
         blocks=tuple(names[id(b)] for b in find_blocks(meta)),
         flops_by_path=oplog.flops,
         memory_bound=oplog.memory_bound,
+        loss_forward=loss_forward,
+        loss_backward=loss_backward,
+        block_backward=block_backward,
+        attention=attention,
+        head=head,
+        head_overlap=head_overlap,
+        loss_log_softmax=oplog.loss_log_softmax,
     )
+
+
+def _block_output(io) -> torch.Tensor | None:
+    if io is None:
+        return None
+    out = io[1]
+    y = out[0] if isinstance(out, (tuple, list)) and out else out
+    return y if isinstance(y, torch.Tensor) and y.requires_grad else None
+
+
+def _block_backward_transient(io) -> int:
+    """Peak bytes one block's backward allocates for its activation gradients, measured by running it on meta
+    (the incoming gradient included; weight gradients excluded: FSDP's unsharded gradients are counted apart).
+    Conservative: the block's saved tensors, freed as its backward proceeds, are counted as still alive.
+    Zero when the block's input or output is not a single differentiable tensor."""
+    if io is None:
+        return 0
+    x = next((a for a in io[0] if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    y = _block_output(io)
+    if x is None or y is None:
+        return 0
+    grad = torch.ones_like(y)
+    try:
+        with _LiveBytes() as in_backward:
+            torch.autograd.grad(y, x, grad)
+    except Exception:  # e.g. the graph was already freed by a custom step: one block's saved bytes stand in
+        return 0
+    return grad.untyped_storage().nbytes() + in_backward.peak
+
+
+def _loss_transients(
+    logits: torch.Tensor,
+    loss,
+    peak_in_loss: int,
+    saved_in_loss: int,
+    block_output: torch.Tensor | None,
+    head_params: list[torch.Tensor],
+) -> tuple[int, int, float]:
+    """(forward, backward) bytes of the loss beyond the tensors it saves: in forward the logits plus the
+    peak of what the loss allocated, less what it saved (counted with the activations); in backward the peak
+    that the backward from the loss down to the last block's output (the loss, the LM head's input gradient,
+    the final norm; the head's weight gradient is FSDP's, counted apart) needs above what was alive before,
+    run here on meta at no cost; and the share of the head's weight gradients that adds to that peak (all
+    when the loss gradient is still alive as they are computed, as in fp32; none when a cast freed it first).
+    Zero when the step's output is not a logits tensor the loss differentiates."""
+    if not (isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.ndim >= 2):
+        return 0, 0, 0.0
+    forward = logits.untyped_storage().nbytes() + max(0, peak_in_loss - saved_in_loss)
+    if not (isinstance(loss, torch.Tensor) and loss.requires_grad and logits.requires_grad):
+        return forward, 0, 0.0
+    target = block_output if block_output is not None else logits
+    try:
+        with _LiveBytes() as in_backward:
+            torch.autograd.grad(loss, target, retain_graph=bool(head_params))
+        if not head_params:
+            return forward, in_backward.peak, 0.0
+        with _LiveBytes() as with_head:  # again, also computing the head's weight gradients, kept to the end
+            grads = torch.autograd.grad(loss, [target, *head_params])
+    except Exception:  # a loss or model whose backward cannot run on meta: the formula stands in
+        return forward, 0, 0.0
+    head = sum(g.untyped_storage().nbytes() for g in grads[1:])
+    return forward, in_backward.peak, min(1.0, max(0, with_head.peak - in_backward.peak) / head) if head else 0.0
 
 
 def _counted_attention(counter: FlopCounterMode) -> int:

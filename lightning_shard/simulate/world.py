@@ -145,7 +145,14 @@ def _guarded_collectives() -> Iterator[None]:
 def _forget_groups() -> None:
     """Drop the caches that hold this world's process groups (a later world gets new ones)."""
     from lightning_shard import comm, mesh, utils
+    from lightning_shard.checkpoint import _interop
+    from lightning_shard.tensor import interop
 
     mesh._GROUP_CACHE.clear()
     comm._SERVED.clear()
     utils._FLAT_GROUPS.clear()
+    # torch meshes built over this world's groups (checkpoints convert our DTensors to torch's); the tensor
+    # cache is keyed by mesh equality, so a later world's equal mesh would get one of these, with this rank
+    interop._TORCH_MESHES.clear()
+    interop._OUR_MESHES.clear()
+    _interop._TORCH_MESHES.clear()

@@ -153,3 +153,26 @@ def test_strategy_sharded_checkpoint_save_and_load_on_a_4x2_mesh(tmp_path):
     assert {"meta.pt", ".metadata", MARKER} <= set(os.listdir(path))
     assert rest == {"epoch": 3}
     assert storage.read == storage.written > 3 * local
+
+
+def test_sharded_state_of_cpu_offloaded_shards_stays_on_the_host():
+    """Converting a CPU-offloaded shard to torch's DTensor for DCP (torch's from_local) copied it to the
+    accelerator: a sharded save held the offloaded state in device memory, and a load wrote into those copies,
+    leaving the model's host shards unchanged."""
+    from lightning_shard.checkpoint import save_load
+    from lightning_shard.device import same_storage
+    from lightning_shard.fsdp import CPUOffloadPolicy
+
+    with simulated_world(8, rank=2) as world:
+        mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
+        model = _meta_model()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        model.to_empty(device=world.device)
+        live = world.memory.live[world.device_type]
+        converted = save_load._to_dcp({"model": get_model_state_dict(model)})
+        for name, p in model.named_parameters():
+            local = converted["model"][name]._local_tensor
+            assert local.device.type == "cpu" and same_storage(local, p.to_local()), name
+        assert world.memory.live[world.device_type] == live  # nothing was copied to the device

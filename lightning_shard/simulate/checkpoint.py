@@ -61,7 +61,11 @@ __all__ = ["simulated_storage", "simulate_checkpoints", "StorageRecord", "Record
 
 @dataclass
 class StorageRecord:
-    """Bytes this rank would have written and read (tensor data and pickled non-tensor entries)."""
+    """Bytes this rank would have written and read (tensor data and pickled non-tensor entries), and the data
+    files it created (sparse: their holes stand for the tensor bytes).
+
+    Example: ``with simulated_storage() as record: save(state, path)``, then ``record.written``.
+    """
 
     written: int = 0
     read: int = 0
@@ -78,7 +82,10 @@ def _record() -> StorageRecord:
 
 
 class RecordingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` with tensor bytes replaced by holes (see the module docstring)."""
+    """DCP's ``FileSystemWriter`` with tensor bytes replaced by holes (see the module docstring).
+
+    Example: ``dcp.save(state, storage_writer=RecordingWriter(tmp), no_dist=True)`` inside ``simulated_storage()``.
+    """
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0.distcp"  # one file per rank, as single_file_per_rank
@@ -107,7 +114,10 @@ class RecordingWriter(FileSystemWriter):
 
 
 class StandInReader(SafeFileSystemReader):
-    """The engine's checking reader with tensor entries staged, not read (see the module docstring)."""
+    """The engine's checking reader with tensor entries staged, not read (see the module docstring).
+
+    Example: ``dcp.load(state, storage_reader=StandInReader(path), no_dist=True)`` inside ``simulated_storage()``.
+    """
 
     def _read_one(self, stream, file: str, req: ReadItem, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
@@ -128,7 +138,10 @@ def _tensor_file_bytes(t: torch.Tensor) -> int:
 
 @contextlib.contextmanager
 def simulated_storage() -> Iterator[StorageRecord]:
-    """Swap the storage layer of the engine's checkpoints for the stand-ins above inside the block."""
+    """Swap the storage layer of the engine's checkpoints for the stand-ins above inside the block.
+
+    Example: ``with simulated_storage() as record: save(state, path); load(state, path)``.
+    """
     global _RECORD
     if _RECORD is not None:
         raise RuntimeError("simulate: simulated_storage() is already active")

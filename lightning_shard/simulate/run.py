@@ -125,7 +125,9 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
     }
 
 
-def _simulate_checkpoints(model: nn.Module, optimizer, world, request: SimulationRequest) -> dict:
+def _simulate_checkpoints(
+    model: nn.Module, optimizer: torch.optim.Optimizer, world, request: SimulationRequest
+) -> dict:
     """A sharded and a full save and load after the steps (phases ``checkpoint_save``, ``checkpoint_load``,
     ``checkpoint_save_full``, ``checkpoint_load_full``); ``{}`` with ``checkpoint=False``."""
     if not request.checkpoint:

@@ -430,12 +430,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         model = self.precision_plugin.convert_module(model)
         has_meta = any(p.is_meta for p in model.parameters())
         if not has_meta:
-            # Shard first, then move the shards (FSDP1's device_id): fully_shard moves one unit's parameters at a
-            # time, so a model that fits on the host but not on one device is never whole on it. The broadcast
-            # runs on the host over the mesh's groups, which carry host tensors. TP shards plain tensors where
-            # they are, so with TP the model goes to the device first.
-            if self.device_mesh.size("tensor_parallel") > 1:
-                _move_tensors(model, self.root_device, parameters=True)
+            # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its
+            # DTensors' local shards stay there), then fully_shard moves one unit's parameters at a time, so a
+            # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
+            # host over the mesh's groups, which carry host tensors.
             parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
@@ -451,7 +449,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
         parallelize.materialize(model, self.root_device)
-        _move_tensors(model, self.root_device, parameters=False)
+        _move_buffers(model, self.root_device)
         parallelize.check_no_drift(model)
         if self.compile_fsdp_units:
             options = self.compile_fsdp_units if isinstance(self.compile_fsdp_units, dict) else None
@@ -717,21 +715,27 @@ def _local_loss(out):
     return out
 
 
-def _move_tensors(model: nn.Module, device: torch.device, parameters: bool) -> None:
-    """Put every (non-meta) buffer, and with ``parameters`` every plain parameter, on ``device`` by replacing
-    the module's entry (not ``.data``, which cannot change a tensor's device type under the simulator's fake
-    tensors); a tensor registered on several modules (tied weights) stays shared."""
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Put every (non-meta) buffer on ``device`` by replacing the module's entry (not ``.data``, which cannot
+    change a tensor's device type under the simulator's fake tensors); a buffer registered on several modules
+    stays shared. A DTensor buffer (tensor parallelism replicated it while the model was on the host) moves its
+    local tensor. Parameters are placed by fully_shard, one unit at a time."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        entries = [module._buffers] + ([module._parameters] if parameters else [])
-        for table in entries:
-            for name, t in table.items():
-                if t is None or t.is_meta or t.device == device or type(t).__name__ == "DTensor":
-                    continue
-                if id(t) not in moved:
-                    data = t.detach().to(device)
-                    moved[id(t)] = nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
-                table[name] = moved[id(t)]
+        for name, t in module._buffers.items():
+            if t is None or t.is_meta:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if local.device == device:
+                continue
+            if id(t) not in moved:
+                if isinstance(t, DTensor):
+                    moved[id(t)] = DTensor.from_local(
+                        local.detach().to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+                    )
+                else:
+                    moved[id(t)] = t.detach().to(device)
+            module._buffers[name] = moved[id(t)]
 
 
 def _top_level_entries(path: Path) -> set[str]:

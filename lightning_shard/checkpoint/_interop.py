@@ -62,6 +62,9 @@ def _our_placement(p) -> Placement:
 
 def to_torch(x: DTensor) -> TorchDTensor:
     """torch's DTensor viewing ``x``'s local shard (no copy, no communication)."""
+    local = x._local_tensor
+    if local.device.type != x.device_mesh.device_type and not local.is_meta:
+        return _wrap_host_shard(x)
     try:  # prefer the shared converter once it exists
         from lightning_shard.tensor.interop import to_torch_dtensor  # type: ignore[import-not-found]
 
@@ -78,6 +81,19 @@ def to_torch(x: DTensor) -> TorchDTensor:
             stride=spec.stride,
             run_check=False,
         )
+
+
+def _wrap_host_shard(x: DTensor) -> TorchDTensor:
+    """torch's DTensor around a shard that lives off the mesh's device (a CPU-offloaded shard on an accelerator
+    mesh). torch's ``from_local`` would copy it to the accelerator: a save would then hold the offloaded state
+    in device memory, and a load would write into that copy instead of the shard. The constructor wraps it."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = x._spec
+    meta = TensorMeta(torch.Size(spec.shape), tuple(spec.stride), x._local_tensor.dtype)
+    placements = tuple(_torch_placement(p) for p in spec.placements)
+    torch_spec = DTensorSpec(torch_mesh(spec.mesh), placements, meta)
+    return TorchDTensor(x._local_tensor, torch_spec, requires_grad=x.requires_grad)
 
 
 def from_torch(x: TorchDTensor, mesh: DeviceMesh | None = None) -> DTensor:

@@ -101,6 +101,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _fake_world() -> bool:
+    """A rank of the simulator's fake world (``lightning_shard.simulate``): collectives carry no data, so DCP's
+    planning cannot gather the other ranks' plans. Each simulated rank then plans, writes and publishes its own
+    shards as a coordinator would (DCP without collectives, rank 0's steps too); the state dicts, the staging,
+    the metadata and the engine's own collectives are those of a real save."""
+    return _dist() and not comm._carries_data(None)
+
+
+def _coordinator() -> bool:
+    return _rank() == 0 or _fake_world()
+
+
 def _remove_stale_temps(path: str) -> None:
     """Temp dirs of earlier saves of ``path`` that failed or crashed (one writer per path is assumed)."""
     for stale in glob.glob(glob.escape(path) + ".tmp-*"):
@@ -110,7 +122,7 @@ def _remove_stale_temps(path: str) -> None:
 def _agree_id(path: str) -> str:
     """Rank 0 clears failed saves' temp dirs, then draws a random id that every rank receives."""
     ckpt_id = None
-    if _rank() == 0:
+    if _coordinator():
         _remove_stale_temps(path)  # before anyone writes: a failed save's leftovers must not fill the disk
         ckpt_id = os.urandom(7).hex()
     return str(comm.broadcast_object(ckpt_id, 0)) if _dist() else str(ckpt_id)
@@ -310,11 +322,16 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, *, extra_files: Mapp
 def _write_all(converted: dict, tmp: str, path: str, ckpt_id: str, extra_files: Mapping[str, bytes]) -> None:
     os.makedirs(tmp, exist_ok=True)
     planner = ChecksumSavePlanner(algorithm=DEFAULT_ALGORITHM)
-    dcp.save(converted, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=planner, no_dist=not _dist())
+    dcp.save(
+        converted,
+        storage_writer=FileSystemWriter(tmp, sync_files=True),
+        planner=planner,
+        no_dist=not _dist() or _fake_world(),
+    )
     # Gathering the digests is also the barrier: every rank's files are written and synced.
     digests = comm.all_gather_objects(planner.digests) if _dist() else [planner.digests]
     error: BaseException | None = None
-    if _rank() == 0:
+    if _coordinator():
         try:
             _finish(tmp, path, ckpt_id, digests, extra_files)
         except BaseException as e:  # tell the other ranks instead of leaving them waiting
@@ -531,7 +548,7 @@ def load(
             shadow,
             storage_reader=reader,
             planner=SafeLoadPlanner(allow_partial_load=True),  # strictness was checked above
-            no_dist=not _dist(),
+            no_dist=not _dist() or _fake_world(),
         )
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor as TorchDTensor
 
 from lightning_shard.checkpoint._interop import from_torch
 from lightning_shard.checkpoint._validate import Problems, castable, describe
+from lightning_shard.device import same_storage
 from lightning_shard.tensor import DTensor
 
 __all__ = [
@@ -111,6 +112,12 @@ def _check_tensor(problems: Problems, key: str, value: Any, target: torch.Tensor
     return True
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` starts where ``b`` does (a state dict loaded into the model it came from): by storage
+    identity, not data pointer, which is null for every fake tensor of the simulator."""
+    return same_storage(a, b) and a.storage_offset() == b.storage_offset()
+
+
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy ``value`` (full tensor or DTensor) into ``target`` in place, keeping ``target``'s layout."""
     value = _as_ours(value)
@@ -122,11 +129,11 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
             src = value._local_tensor
         else:
             src = _local_part(value, target)
-        if src.data_ptr() != local.data_ptr():
+        if not _same_memory(src, local):
             local.copy_(src)
     else:
         src = value.full_tensor() if isinstance(value, DTensor) else value
-        if src.data_ptr() != target.data_ptr():
+        if not _same_memory(src, target):
             target.copy_(src)
 
 

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-checkpoint", action="store_true", help="skip the sharded and full checkpoint save and load")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--reference", choices=["torch"], default=None, help="not implemented yet: raises")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             sharding_strategy=args.sharding_strategy, precision=args.precision, batch=args.batch,
             seq_len=args.seq_len, steps=args.steps, cpu_offload=args.cpu_offload,
             activation_checkpointing=args.activation_checkpointing, rank=args.rank,
-            devices_per_node=args.devices_per_node,
+            devices_per_node=args.devices_per_node, checkpoint=not args.no_checkpoint,
         )  # fmt: skip
         report = simulate_training(factory, request)
     except ValueError as e:

@@ -24,7 +24,7 @@ import torch
 
 from lightning_shard.device import DeviceHandle
 
-__all__ = ["RecordingHandle", "SimStream", "SimEvent", "STAND_IN_DEVICE"]
+__all__ = ["RecordingHandle", "SimStream", "SimEvent", "SimDeviceModule", "STAND_IN_DEVICE"]
 
 STAND_IN_DEVICE = "lazy"
 
@@ -147,3 +147,58 @@ class RecordingHandle(DeviceHandle):
     def count(self, name: str) -> int:
         """How many calls named ``name`` were recorded."""
         return sum(c[0] == name for c in self.calls)
+
+
+class SimDeviceModule:
+    """The stand-in device's ``torch.<device type>`` module (what ``torch.cuda`` is to CUDA), backed by a
+    ``RecordingHandle``: the few names torch's own device-generic code looks up (``torch.get_device_module``),
+    e.g. ``torch.utils.checkpoint`` stashing and restoring the device's RNG state around a recomputed forward.
+    ``simulated_world`` registers it as ``torch.lazy`` for the duration of the simulation.
+
+    Example::
+
+        module = SimDeviceModule(RecordingHandle())
+        with module.device(0):
+            state = module.get_rng_state()
+    """
+
+    _initialized = True  # torch.utils.checkpoint stashes the device RNG state only for an initialised device
+
+    def __init__(self, handle: RecordingHandle) -> None:
+        self.handle = handle
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self.handle.device_count()
+
+    def current_device(self) -> int:
+        return self.handle.current_device().index or 0
+
+    def set_device(self, device: torch.device | int) -> None:
+        self.handle.set_device(device)
+
+    @contextlib.contextmanager
+    def device(self, device: torch.device | int | None) -> Iterator[None]:
+        """Make ``device`` current inside the block, as ``torch.cuda.device`` does (``None``: no change)."""
+        previous = self.handle._device
+        if device is not None:
+            index = device if isinstance(device, int) else torch.device(device).index or 0
+            self.handle._device = torch.device(self.handle.device_type, index)
+        try:
+            yield
+        finally:
+            self.handle._device = previous
+
+    def get_rng_state(self, device: torch.device | int | str = "lazy") -> tuple:
+        return self.handle.get_rng_state()
+
+    def set_rng_state(self, state: tuple, device: torch.device | int | str = "lazy") -> None:
+        self.handle.set_rng_state(state)
+
+    def manual_seed(self, seed: int) -> None:
+        self.handle.set_rng_state(("rng", seed))

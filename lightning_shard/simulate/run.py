@@ -5,7 +5,8 @@ The steps (the engine's own, no Lightning): a ``(data_parallel, tensor_parallel)
 data_parallel)`` for HYBRID_SHARD, ``(replicate, 1)`` for NO_SHARD), the model built on meta by the factory,
 tensor parallelism with ``auto_tp_plan`` when T > 1, ``fully_shard`` on every repeated block and the root,
 materialisation (``to_empty`` + ``reset_parameters``), then K steps of forward, backward, clipping by norm
-and AdamW. Checkpoint saves are not simulated (a fake tensor has no bytes to write).
+and AdamW, then (unless ``checkpoint=False``) a sharded and a full checkpoint save and load through the
+engine's checkpoint code with a storage stand-in (``lightning_shard.simulate.checkpoint``).
 
 Example::
 
@@ -54,6 +55,7 @@ class SimulationRequest:
     rank: int = 0
     devices_per_node: int = 8
     vocab_size: int | None = None
+    checkpoint: bool = True
 
     def check(self) -> None:
         if self.devices < 1:
@@ -71,11 +73,6 @@ class SimulationRequest:
             raise ValueError(f"simulate: --precision {self.precision!r} is not one of {sorted(_POLICIES)}")
         if not 0 <= self.rank < self.devices:
             raise ValueError(f"simulate: --rank {self.rank} must be in [0, {self.devices})")
-        if self.activation_checkpointing:
-            raise ValueError(
-                "simulate: --activation-checkpointing is not supported yet: torch.utils.checkpoint looks up a "
-                "torch device module for the simulator's stand-in device, which has none"
-            )
         if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
 
@@ -114,6 +111,7 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
                 optimizer.step()
                 optimizer.zero_grad()
                 del loss
+        checkpoint = _simulate_checkpoints(model, optimizer, world, request)
     device = world.device_type
     return {
         "peak_device_bytes": mem.peak[device],
@@ -122,8 +120,21 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
         "collectives_per_step": dict(counts.calls),
         "comm_bytes_per_step": sum(counts.bytes.values()),
         "host_bytes_offloaded": host_after_setup if request.cpu_offload else 0,
+        "checkpoint_bytes": checkpoint,
         "simulation_seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _simulate_checkpoints(
+    model: nn.Module, optimizer: torch.optim.Optimizer, world, request: SimulationRequest
+) -> dict:
+    """A sharded and a full save and load after the steps (phases ``checkpoint_save``, ``checkpoint_load``,
+    ``checkpoint_save_full``, ``checkpoint_load_full``); ``{}`` with ``checkpoint=False``."""
+    if not request.checkpoint:
+        return {}
+    from lightning_shard.simulate.checkpoint import simulate_checkpoints
+
+    return simulate_checkpoints(model, optimizer, world.memory)
 
 
 def _meshes(device_type: str, r: SimulationRequest):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_shard.device import register_handle
-from lightning_shard.simulate.handle import STAND_IN_DEVICE, RecordingHandle
+from lightning_shard.simulate.handle import STAND_IN_DEVICE, RecordingHandle, SimDeviceModule
 from lightning_shard.simulate.memory import MemoryTracker
 
 __all__ = ["SimWorld", "simulated_world"]
@@ -72,7 +72,7 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
     handle = RecordingHandle(STAND_IN_DEVICE, device_count=min(devices_per_node, world_size))
     handle.set_device(rank % handle.device_count())
     handle.calls.clear()
-    with register_handle(handle), _guarded_collectives():
+    with register_handle(handle), _device_module(handle), _guarded_collectives():
         dist.init_process_group(handle.backend, store=FakeStore(), rank=rank, world_size=world_size)
         try:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -82,6 +82,24 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
         finally:
             dist.destroy_process_group()
             _forget_groups()
+
+
+@contextlib.contextmanager
+def _device_module(handle: RecordingHandle) -> Iterator[None]:
+    """Register ``torch.<stand-in type>`` (a ``SimDeviceModule``) while the simulation runs: torch's
+    device-generic code (``torch.utils.checkpoint``, ``torch.random.fork_rng``) looks the device's module up
+    there, as it finds ``torch.cuda``; a CPU build has none for the stand-in type."""
+    import sys
+
+    name = handle.device_type
+    if hasattr(torch, name):
+        raise RuntimeError(f"simulated_world: torch.{name} exists already; the stand-in device needs its name free")
+    torch._register_device_module(name, SimDeviceModule(handle))
+    try:
+        yield
+    finally:
+        delattr(torch, name)
+        sys.modules.pop(f"torch.{name}", None)
 
 
 # torch.distributed's tensor collectives; the simulator checks their tensors' devices as NCCL would.
@@ -127,7 +145,14 @@ def _guarded_collectives() -> Iterator[None]:
 def _forget_groups() -> None:
     """Drop the caches that hold this world's process groups (a later world gets new ones)."""
     from lightning_shard import comm, mesh, utils
+    from lightning_shard.checkpoint import _interop
+    from lightning_shard.tensor import interop
 
     mesh._GROUP_CACHE.clear()
     comm._SERVED.clear()
     utils._FLAT_GROUPS.clear()
+    # torch meshes built over this world's groups (checkpoints convert our DTensors to torch's); the tensor
+    # cache is keyed by mesh equality, so a later world's equal mesh would get one of these, with this rank
+    interop._TORCH_MESHES.clear()
+    interop._OUR_MESHES.clear()
+    _interop._TORCH_MESHES.clear()

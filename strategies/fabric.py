@@ -366,14 +366,14 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             # Everything, as plain tensors (a sharded directory is consolidated tensor by tensor).
             if loading.is_sharded_checkpoint(path):
                 return loading.load_sharded_as_full(path)
-            return torch.load(path, map_location="cpu", weights_only=weights_only)
+            return loading.load_full_file(path, weights_only=weights_only)
         if isinstance(state, nn.Module):
             if path.is_dir():
                 raise ValueError(
                     f"shard_fsdp_tp (Fabric): load_raw needs a file with a model state dict; {path} is a directory. "
                     "Use fabric.load(path, {'model': model})"
                 )
-            set_model_state_dict(state, torch.load(path, map_location="cpu", weights_only=True), strict=strict)
+            set_model_state_dict(state, loading.load_full_file(path), strict=strict)
             return {}
         if isinstance(state, Optimizer):
             raise ValueError(
@@ -419,7 +419,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         return meta
 
     def _load_full(self, path, module_key, module, optimizers, requested, strict, weights_only) -> dict[str, Any]:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+        checkpoint = loading.load_full_file(path, weights_only=weights_only)
         model_src = _source_key(module_key, checkpoint.keys(), [_TRAINER_MODEL_KEY])
         model_state = checkpoint.pop(model_src)
         trainer_list = checkpoint.pop("optimizer_states", None) if model_src == _TRAINER_MODEL_KEY else None

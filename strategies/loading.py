@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,20 @@ def is_sharded_checkpoint(path: Any) -> bool:
     if not isinstance(path, (str, os.PathLike)):
         return False
     return (Path(path) / MARKER).is_file() or (Path(path) / ".metadata").is_file()
+
+
+def load_full_file(path: str | os.PathLike, *, weights_only: bool = True) -> Any:
+    """``torch.load`` of a full checkpoint file onto the host, memory-mapped where the format allows.
+
+    Every rank loads the whole file, but each copies only its shards out of it: with ``mmap=True`` the file's
+    pages are read on demand (only the parts a rank copies) and shared through the page cache by the ranks
+    of a node, instead of a private copy of the whole checkpoint in every process. Files in torch's legacy
+    (non-zip) format cannot be mapped and are read whole.
+
+    Example: ``state = load_full_file("last.ckpt")["state_dict"]``.
+    """
+    mmap = zipfile.is_zipfile(path)
+    return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
 
 
 def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:

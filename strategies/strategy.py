@@ -58,7 +58,7 @@ from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from numba_kernels import warm_kernels
-from strategies import parallelize
+from strategies import loading, parallelize
 from strategies.compile import compile_fsdp_units
 from strategies.precision import ShardPrecision
 
@@ -573,7 +573,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             return self._load_sharded(path, optimizers, strict)
         if not path.is_file():
             raise FileNotFoundError(f"shard_fsdp_tp: no checkpoint at {path}")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = loading.load_full_file(path)
         optim_states = checkpoint.pop("optimizer_states", None)
         if optim_states is None:
             optim_states = [

@@ -157,3 +157,20 @@ def test_weights_only_checkpoint_loads_for_validate(tmp_path):
     # resuming training needs optimizer state: Lightning refuses a weights-only checkpoint, as for every strategy
     with pytest.raises(KeyError, match="contains only the model"):
         _trainer(max_steps=3).fit(LitGPT(), ckpt_path=path)
+
+
+def test_full_checkpoint_files_are_memory_mapped_on_load(tmp_path):
+    """Every rank reads a full checkpoint whole: mapped, the ranks of a node share the file's pages instead of
+    holding one private copy each. A legacy (non-zip) file, which cannot be mapped, still loads."""
+    from strategies.loading import load_full_file
+
+    state = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 3}
+    path = tmp_path / "full.ckpt"
+    torch.save(state, path)
+    loaded = load_full_file(path)
+    with open("/proc/self/maps") as maps:  # the file is mapped into this process while its tensors live
+        assert str(path) in maps.read()
+    assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and loaded["epoch"] == 3
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    assert torch.equal(load_full_file(legacy)["state_dict"]["w"], state["state_dict"]["w"])

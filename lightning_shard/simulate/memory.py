@@ -5,6 +5,9 @@ simulator's ``FakeTensorMode``) counts a storage when an op first returns it, un
 dies, and follows ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded parameters). Peaks
 are kept overall and per named phase (``tracker.phase = "forward"``).
 
+The tracker sees every op, so it also counts the collective ops (``c10d`` and functional collectives) inside
+``count_collectives()``: the same accounting for any engine, whether or not it calls ``lightning_shard.comm``.
+
 Example::
 
     with FakeTensorMode(), MemoryTracker() as mem:
@@ -14,8 +17,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,6 +41,7 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "setup"
         self._entries: dict[int, tuple[str, int]] = {}  # id(storage) -> (device type, bytes counted)
         self._resize = None
+        self._counts: list = []
 
     def __enter__(self):
         tracker, original = self, torch.UntypedStorage.resize_
@@ -55,6 +61,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._counts and func.namespace in _COLLECTIVE_NAMESPACES:
+            self._count(func, args)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
@@ -76,6 +84,34 @@ class MemoryTracker(TorchDispatchMode):
         self._entries[key] = (t.device.type, 0)
         weakref.finalize(storage, self._release, key)
         self._set(key, storage.nbytes())
+
+    @contextlib.contextmanager
+    def count_collectives(self) -> Iterator:
+        """Count the collective ops dispatched inside the block, as ``lightning_shard.comm.count_collectives``
+        does (calls and input bytes per kind).
+
+        Example::
+
+            with tracker.count_collectives() as counts:
+                model(x).sum().backward()
+            counts.calls["all_gather"]
+        """
+        from lightning_shard.comm import CollectiveCounts
+
+        counts = CollectiveCounts()
+        self._counts.append(counts)
+        try:
+            yield counts
+        finally:
+            self._counts.remove(counts)
+
+    def _count(self, func, args) -> None:
+        kind, position = _COLLECTIVE_KINDS.get(func._opname, (None, 0))
+        if kind is None:
+            return
+        tensor = pytree.tree_leaves(args[position])[0]
+        for counts in self._counts:
+            counts.record(kind, tensor)
 
     def reset_peaks(self) -> None:
         """Start new peaks from the current live bytes."""
@@ -99,3 +135,28 @@ class MemoryTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         device, nbytes = self._entries.pop(key)
         self.live[device] -= nbytes
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+# op name -> (kind, position of its input in the op's arguments); c10d's ops take (output, input, ...)
+_COLLECTIVE_KINDS = {
+    "_allgather_base_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "allgather_": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 0),
+    "broadcast_": ("broadcast", 0),
+    "broadcast": ("broadcast", 0),
+}

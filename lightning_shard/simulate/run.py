@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from lightning_shard import comm
 from lightning_shard.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from lightning_shard.fsdp.units import find_repeated_blocks
 from lightning_shard.mesh import init_device_mesh
+from lightning_shard.simulate.attention import flash_attention_accounting
+from lightning_shard.simulate.kernels import simulated_staging_kernels
 from lightning_shard.simulate.world import simulated_world
 from lightning_shard.utils import clip_grad_norm_
 
-__all__ = ["SimulationRequest", "simulate_training"]
+__all__ = ["SimulationRequest", "simulate_training", "Engine", "ENGINE"]
 
 _POLICIES = {
     "32-true": MixedPrecisionPolicy(),
@@ -54,6 +57,7 @@ class SimulationRequest:
     rank: int = 0
     devices_per_node: int = 8
     vocab_size: int | None = None
+    attention: str = "flash"  # how SDPA's memory is counted: "flash" (a GPU's fused kernels) or "math"
 
     def check(self) -> None:
         if self.devices < 1:
@@ -76,23 +80,49 @@ class SimulationRequest:
                 "simulate: --activation-checkpointing is not supported yet: torch.utils.checkpoint looks up a "
                 "torch device module for the simulator's stand-in device, which has none"
             )
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"simulate: --attention {self.attention!r} is not 'flash' or 'math'")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
 
 
-def simulate_training(factory: Callable[[], nn.Module], request: SimulationRequest) -> dict:
-    """Run ``request`` (see the module docstring) and return the report dict."""
+@dataclass(frozen=True)
+class Engine:
+    """The engine-specific steps of a simulation: this package's (``ENGINE``) or torch's, the reference
+    (``lightning_shard.simulate.reference.TORCH_ENGINE``). Everything else (the world, the model, the data, the
+    steps, the memory accounting) is shared, so the two reports compare like with like."""
+
+    name: str
+    meshes: Callable  # (device_type, request) -> (mesh, fsdp_mesh)
+    parallelize: Callable  # (model, mesh, fsdp_mesh, request) -> None: TP, then fully_shard per unit
+    clip_grad_norm: Callable  # (parameters, max_norm) -> total norm
+    device_module: Callable = lambda device_type, count: contextlib.nullcontext()  # what the engine needs of torch
+
+
+def simulate_training(
+    factory: Callable[[], nn.Module], request: SimulationRequest, engine: Engine | None = None
+) -> dict:
+    """Run ``request`` (see the module docstring) with ``engine`` (default: this package's) and return the
+    report dict."""
     request.check()
+    engine = engine or ENGINE
     started = time.perf_counter()
-    with simulated_world(request.devices, request.rank, devices_per_node=request.devices_per_node) as world:
+    with contextlib.ExitStack() as stack:
+        world = stack.enter_context(
+            simulated_world(request.devices, request.rank, devices_per_node=request.devices_per_node)
+        )
+        stack.enter_context(engine.device_module(world.device_type, world.handle.device_count()))
+        stack.enter_context(simulated_staging_kernels())
+        if request.attention == "flash":
+            stack.enter_context(flash_attention_accounting())
         mem = world.memory
-        mesh, fsdp_mesh = _meshes(world.device_type, request)
+        mesh, fsdp_mesh = engine.meshes(world.device_type, request)
         try:
             with torch.device("meta"):
                 model = factory()
         except Exception as e:
             raise ValueError(f"simulate: the model factory {factory!r} failed: {e!r}") from e
-        _parallelize(model, mesh, fsdp_mesh, request)
+        engine.parallelize(model, mesh, fsdp_mesh, request)
         model.to_empty(device=world.device)
         with torch.no_grad():
             for m in model.modules():
@@ -103,18 +133,19 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         vocab = request.vocab_size or _vocab_of(model)
         for _ in range(request.steps):
-            with comm.count_collectives() as counts:
+            with comm.count_collectives() as ours, mem.count_collectives() as dispatched:
                 x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
                 mem.phase = "forward"
                 loss = model(x).float().mean()
                 mem.phase = "backward"
                 loss.backward()
                 mem.phase = "optimizer"
-                clip_grad_norm_(model.parameters(), 1.0)
+                engine.clip_grad_norm(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
                 del loss
     device = world.device_type
+    counts = ours if engine is ENGINE else dispatched  # torch's collectives bypass lightning_shard.comm
     return {
         "peak_device_bytes": mem.peak[device],
         "peak_by_phase": {phase: peaks.get(device, 0) for phase, peaks in mem.peak_by_phase.items()},
@@ -123,24 +154,27 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
         "comm_bytes_per_step": sum(counts.bytes.values()),
         "host_bytes_offloaded": host_after_setup if request.cpu_offload else 0,
         "simulation_seconds": round(time.perf_counter() - started, 1),
+        "engine": engine.name,
     }
 
 
-def _meshes(device_type: str, r: SimulationRequest):
+def mesh_shape(r: SimulationRequest) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
+    """The mesh's shape, its dimension names, and the names of the dimensions FSDP shards over."""
     dp = r.devices // r.tensor_parallel_size
     if r.sharding_strategy == "NO_SHARD":
-        mesh = init_device_mesh(device_type, (dp, 1), mesh_dim_names=("replicate", "data_parallel"))
-        return mesh, mesh
+        return (dp, 1), ("replicate", "data_parallel"), ("replicate", "data_parallel")
     if r.sharding_strategy == "HYBRID_SHARD":
         per_node = min(r.devices_per_node, dp)
         if dp % per_node:
             raise ValueError(f"simulate: HYBRID_SHARD needs --devices {dp} to be a multiple of {per_node} per node")
-        mesh = init_device_mesh(device_type, (dp // per_node, per_node), mesh_dim_names=("replicate", "data_parallel"))
-        return mesh, mesh
-    mesh = init_device_mesh(
-        device_type, (dp, r.tensor_parallel_size), mesh_dim_names=("data_parallel", "tensor_parallel")
-    )
-    return mesh, mesh["data_parallel"]
+        return (dp // per_node, per_node), ("replicate", "data_parallel"), ("replicate", "data_parallel")
+    return (dp, r.tensor_parallel_size), ("data_parallel", "tensor_parallel"), ("data_parallel",)
+
+
+def _meshes(device_type: str, r: SimulationRequest):
+    shape, names, fsdp_names = mesh_shape(r)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return mesh, mesh if fsdp_names == names else mesh[fsdp_names[0]]
 
 
 def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> None:
@@ -170,3 +204,6 @@ def _vocab_of(model: nn.Module) -> int:
         if isinstance(m, nn.Embedding):
             return m.num_embeddings
     raise ValueError("simulate: the model has no nn.Embedding to draw token ids for; pass --vocab-size")
+
+
+ENGINE = Engine("lightning_shard", _meshes, _parallelize, clip_grad_norm_)

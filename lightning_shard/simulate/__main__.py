@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true", help="with T > 1: shard activations between blocks")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--rank", type=int, default=0)
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq_len, steps=args.steps, cpu_offload=args.cpu_offload,
             activation_checkpointing=args.activation_checkpointing, rank=args.rank,
             devices_per_node=args.devices_per_node, attention=args.attention,
+            sequence_parallel=args.sequence_parallel,
         )  # fmt: skip
         report = simulate_training(factory, request)
         if args.reference:

@@ -1,9 +1,15 @@
 """``MemoryTracker``: live and peak bytes per device type of the fake tensors a simulation allocates.
 
-Fake tensors own no memory, but each has a storage of a known size. The tracker (a dispatch mode inside the
-simulator's ``FakeTensorMode``) counts a storage when an op first returns it, uncounts it when the storage
+Fake tensors own no memory, but each has a storage of a known size. The tracker counts a storage when an op
+first returns it, uncounts it when the storage
 dies, and follows ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded parameters). Peaks
 are kept overall and per named phase (``tracker.phase = "forward"``).
+
+Inside a ``FakeTensorMode`` (the simulator's case) the tracker observes the fake mode's own dispatch, which every
+op on a fake tensor reaches, including the ops a tensor subclass (a DTensor) runs on its local tensors inside its
+``__torch_dispatch__``: their temporaries and collectives count too. (A dispatch mode pushed above the fake mode
+would be switched off while a subclass handles an op, and would see only the op's outputs.) Without a fake mode
+the tracker is an ordinary dispatch mode.
 
 The tracker sees every op, so it also counts the collective ops (``c10d`` and functional collectives) inside
 ``count_collectives()``: the same accounting for any engine, whether or not it calls ``lightning_shard.comm``.
@@ -42,6 +48,7 @@ class MemoryTracker(TorchDispatchMode):
         self._entries: dict[int, tuple[str, int]] = {}  # id(storage) -> (device type, bytes counted)
         self._resize = None
         self._counts: list = []
+        self._fake_mode = None  # the FakeTensorMode whose dispatch is observed, if any
 
     def __enter__(self):
         tracker, original = self, torch.UntypedStorage.resize_
@@ -53,20 +60,41 @@ class MemoryTracker(TorchDispatchMode):
 
         self._resize = original
         torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
+        fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if fake_mode is None or "dispatch" in vars(fake_mode):
+            return super().__enter__()
+        dispatch = fake_mode.dispatch
+
+        def observed(func, types, args=(), kwargs=None):
+            out = dispatch(func, types, args, kwargs)
+            tracker._observe(func, args, out)
+            return out
+
+        fake_mode.dispatch, self._fake_mode = observed, fake_mode
+        return self
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
+        if self._fake_mode is None:
+            return super().__exit__(*exc)
+        del self._fake_mode.dispatch  # back to the class's method
+        self._fake_mode = None
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._observe(func, args, out)
+        return out
+
+    def _observe(self, func, args, out) -> None:
         if self._counts and func.namespace in _COLLECTIVE_NAMESPACES:
             self._count(func, args)
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+            return
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
-        return out
 
     def track(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage if it is new (tensors made outside the tracker can be added this way).

@@ -14,7 +14,8 @@ values, so it is built with the fake mode suspended.
 Tensor parallelism (T > 1) follows torchtitan's ``apply_tp`` for Llama (``torchtitan/models/llama3/infra/
 parallelize.py``): embedding row-parallel with a sequence-sharded output, norms ``SequenceParallel``, q/k/v and
 the MLP's gate/up column-parallel, o and down row-parallel with sequence-sharded outputs, the LM head
-column-parallel from a sequence-sharded input. Loss parallelism is off (the head's output is replicated), as in
+column-parallel from a sequence-sharded input (``--sequence-parallel``; without it, the same plan without the
+sequence sharding, like the engine's default). Loss parallelism is off (the head's output is replicated), as in
 the engine's run, so both compute the same loss on the same logits. torchtitan's attention reshapes with ``-1``
 heads; the Llama of ``tests/tp_models.py`` reads ``n_heads``/``n_kv_heads``, so those are divided by T.
 
@@ -142,9 +143,13 @@ def _meshes(device_type: str, request):
     return mesh, mesh if fsdp_names == names else mesh[fsdp_names[0]]
 
 
-def torchtitan_llama_plan(model: nn.Module) -> dict:
+def torchtitan_llama_plan(model: nn.Module, sequence_parallel: bool = True) -> dict:
     """torchtitan's Llama tensor-parallel plan (loss parallelism off) for the module names of
     ``tests/tp_models.Llama`` (torchtitan's wq/wk/wv/wo are q/k/v/o_proj, w1/w2/w3 are gate/down/up_proj).
+
+    ``sequence_parallel=False`` drops the sequence sharding (norms replicated, the embedding and the o/down
+    projections reduce to replicated outputs): the plan of torch's TP tutorial without sequence parallelism,
+    to compare with the engine's default plan.
 
     Example::
 
@@ -159,27 +164,32 @@ def torchtitan_llama_plan(model: nn.Module) -> dict:
     )
 
     _check_llama(model)
+    between_blocks = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
+        "output": ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True),
     }
     gather_sequence = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
     for i in range(len(model.layers)):
         prefix = f"layers.{i}."
         plan.update({
-            prefix + "attention_norm": SequenceParallel(),
-            prefix + "attention": PrepareModuleInput(**gather_sequence),
             prefix + "attention.q_proj": ColwiseParallel(),
             prefix + "attention.k_proj": ColwiseParallel(),
             prefix + "attention.v_proj": ColwiseParallel(),
-            prefix + "attention.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            prefix + "ffn_norm": SequenceParallel(),
-            prefix + "feed_forward": PrepareModuleInput(**gather_sequence),
+            prefix + "attention.o_proj": RowwiseParallel(output_layouts=between_blocks),
             prefix + "feed_forward.gate_proj": ColwiseParallel(),
-            prefix + "feed_forward.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            prefix + "feed_forward.down_proj": RowwiseParallel(output_layouts=between_blocks),
             prefix + "feed_forward.up_proj": ColwiseParallel(),
         })  # fmt: skip
+        if sequence_parallel:
+            plan.update({
+                prefix + "attention_norm": SequenceParallel(),
+                prefix + "attention": PrepareModuleInput(**gather_sequence),
+                prefix + "ffn_norm": SequenceParallel(),
+                prefix + "feed_forward": PrepareModuleInput(**gather_sequence),
+            })  # fmt: skip
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
     return plan
 
 
@@ -227,31 +237,42 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, request) -> None:
     from lightning_shard.fsdp.units import find_repeated_blocks
 
     if request.tensor_parallel_size > 1:
-        parallelize_module(model, mesh["tensor_parallel"], torchtitan_llama_plan(model))
+        plan = torchtitan_llama_plan(model, request.sequence_parallel)
+        parallelize_module(model, mesh["tensor_parallel"], plan)
         _divide_heads(model, request.tensor_parallel_size)
     from lightning_shard.simulate.run import _POLICIES
 
     ours = _POLICIES[request.precision]
+    reshard = request.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")  # as the engine's
     kwargs = {
         "mesh": fsdp_mesh,
-        "reshard_after_forward": request.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),  # as the engine's
         "mp_policy": MixedPrecisionPolicy(param_dtype=ours.param_dtype, reduce_dtype=ours.reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy(),
     }
     for block in find_repeated_blocks(model):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The root as torchtitan shards it: reshard_after_forward left to torch, which keeps the root's parameters
+    # unsharded after forward (backward needs them at once), as the engine's root does; an explicit True would
+    # make torch free and re-gather them.
+    fully_shard(model, reshard_after_forward=None if reshard else False, **kwargs)
 
 
 def _clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """torchtitan's clipping: the total norm of DTensor gradients as a full tensor, then clip with it."""
+    """torchtitan's clipping: the total norm of the DTensor gradients as a full tensor, then clip with it. The
+    norm is taken per mesh first (without sequence parallelism the norms' weights live on the data-parallel
+    mesh only, the rest on the 2-D mesh, and DTensors of two meshes cannot meet in one op)."""
     from torch.distributed.tensor import DTensor
 
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
 
@@ -296,5 +317,6 @@ def compare(ours: dict, reference: dict) -> dict:
         },
         "comm_bytes_per_step": ratio(ours["comm_bytes_per_step"], reference["comm_bytes_per_step"]),
         "simulation_seconds": ratio(ours["simulation_seconds"], reference["simulation_seconds"]),
+        "simulation_cpu_seconds": ratio(ours["simulation_cpu_seconds"], reference["simulation_cpu_seconds"]),
     }
     return {**ours, "reference": reference, "ratio_to_reference": ratios}

@@ -57,6 +57,7 @@ class SimulationRequest:
     rank: int = 0
     devices_per_node: int = 8
     vocab_size: int | None = None
+    sequence_parallel: bool = False  # with T > 1: auto_tp_plan(sequence_parallel=...), as the strategy's flag
     attention: str = "flash"  # how SDPA's memory is counted: "flash" (a GPU's fused kernels) or "math"
 
     def check(self) -> None:
@@ -106,7 +107,7 @@ def simulate_training(
     report dict."""
     request.check()
     engine = engine or ENGINE
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     with contextlib.ExitStack() as stack:
         world = stack.enter_context(
             simulated_world(request.devices, request.rank, devices_per_node=request.devices_per_node)
@@ -154,6 +155,7 @@ def simulate_training(
         "comm_bytes_per_step": sum(counts.bytes.values()),
         "host_bytes_offloaded": host_after_setup if request.cpu_offload else 0,
         "simulation_seconds": round(time.perf_counter() - started, 1),
+        "simulation_cpu_seconds": round(time.process_time() - started_cpu, 1),  # this process's CPU time
         "engine": engine.name,
     }
 
@@ -181,7 +183,8 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> Non
     if r.tensor_parallel_size > 1:
         from lightning_shard.tp import auto_tp_plan, parallelize_module
 
-        parallelize_module(model, mesh["tensor_parallel"], auto_tp_plan(model, mesh["tensor_parallel"]))
+        plan = auto_tp_plan(model, mesh["tensor_parallel"], sequence_parallel=r.sequence_parallel)
+        parallelize_module(model, mesh["tensor_parallel"], plan)
     blocks = find_repeated_blocks(model)
     if r.activation_checkpointing:
         from torch.utils.checkpoint import checkpoint

@@ -168,3 +168,24 @@ def test_reference_with_tensor_parallelism_needs_a_llama_shaped_model():
     request = SimulationRequest(devices=4, tensor_parallel_size=2, seq_len=8, precision="32-true")
     with pytest.raises(ValueError, match="torchtitan's Llama plan.*has no"):
         simulate_training(lambda: GPT2(), request, engine=TORCH_ENGINE)
+
+
+def test_tracker_sees_collectives_and_temporaries_inside_a_dtensor_op():
+    """A DTensor runs its redistributions inside its ``__torch_dispatch__``; the tracker must see them (a
+    dispatch mode above the fake mode is switched off there). torch's total norm of a Shard(0) gradient stacks
+    the partial norms and reduces them inside an op."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_shard.simulate import simulated_world
+    from lightning_shard.simulate.reference import host_device_meshes, stand_in_device_module
+
+    with simulated_world(8) as world, stand_in_device_module(world.device_type, 8), host_device_meshes():
+        with unset_fake_temporarily():
+            mesh = init_device_mesh(world.device_type, (8,))
+        grad = distribute_tensor(torch.empty(64, 4, device=world.device), mesh, [Shard(0)])
+        with world.memory.count_collectives() as counts:
+            norm = torch.nn.utils.get_total_norm([grad], 2.0)
+    assert norm.placements[0].is_replicate()  # the reduction happened inside the op
+    assert dict(counts.calls) == {"all_reduce": 1}

@@ -7,6 +7,11 @@ tensor parallelism with ``auto_tp_plan`` when T > 1, ``fully_shard`` on every re
 materialisation (``to_empty`` + ``reset_parameters``), then K steps of forward, backward, clipping by norm
 and AdamW. Checkpoint saves are not simulated (a fake tensor has no bytes to write).
 
+Attention is counted as a GPU's flash attention keeps it (``attention.py``; ``attention="math"`` for torch's
+math path) and the staging kernels as launches that allocate nothing (``kernels.py``). ``engine=`` swaps the
+engine-specific steps (meshes, TP + ``fully_shard``, clipping): ``reference.TORCH_ENGINE`` runs torch's own
+FSDP2 on the same simulation, for ``--reference torch``.
+
 Example::
 
     report = simulate_training(build_llama, devices=8, precision="bf16-mixed", batch=1, seq_len=8192)

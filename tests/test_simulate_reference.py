@@ -189,3 +189,8 @@ def test_tracker_sees_collectives_and_temporaries_inside_a_dtensor_op():
             norm = torch.nn.utils.get_total_norm([grad], 2.0)
     assert norm.placements[0].is_replicate()  # the reduction happened inside the op
     assert dict(counts.calls) == {"all_reduce": 1}
+
+
+def test_unknown_attention_accounting_is_rejected():
+    with pytest.raises(ValueError, match="--attention 'flashy'"):
+        SimulationRequest(devices=8, attention="flashy").check()

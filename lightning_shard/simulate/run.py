@@ -79,6 +79,8 @@ class SimulationRequest:
             raise ValueError(f"simulate: {self.sharding_strategy} with tensor parallelism is not supported")
         if self.precision not in _POLICIES:
             raise ValueError(f"simulate: --precision {self.precision!r} is not one of {sorted(_POLICIES)}")
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"simulate: --attention {self.attention!r} is not 'flash' or 'math'")
         if not 0 <= self.rank < self.devices:
             raise ValueError(f"simulate: --rank {self.rank} must be in [0, {self.devices})")
         if self.activation_checkpointing:
@@ -86,8 +88,6 @@ class SimulationRequest:
                 "simulate: --activation-checkpointing is not supported yet: torch.utils.checkpoint looks up a "
                 "torch device module for the simulator's stand-in device, which has none"
             )
-        if self.attention not in ("flash", "math"):
-            raise ValueError(f"simulate: --attention {self.attention!r} is not 'flash' or 'math'")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
 

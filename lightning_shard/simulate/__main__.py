@@ -2,6 +2,10 @@
 accelerators on this CPU and report peak device memory, collectives and communication per step.
 
 The factory is called under ``torch.device("meta")`` (token ids in, logits out), as the planner's CLI does.
+With ``--reference torch`` the same simulation runs a second time with torch's own FSDP2 (and torchtitan's
+Llama tensor-parallel plan when T > 1; ``lightning_shard.simulate.reference``), and the report adds torch's
+figures and the ratios ours / torch. Attention is counted as a GPU's flash attention keeps it
+(``lightning_shard.simulate.attention``); ``--attention math`` counts torch's math path instead.
 
 Example::
 
@@ -28,17 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true", help="with T > 1: shard activations between blocks")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-checkpoint", action="store_true", help="skip the sharded and full checkpoint save and load")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--devices-per-node", type=int, default=8)
-    p.add_argument("--reference", choices=["torch"], default=None, help="not implemented yet: raises")
+    p.add_argument("--reference", choices=["torch"], default=None, help="also run torch's FSDP2 and compare")
+    p.add_argument("--attention", choices=["flash", "math"], default="flash", help="how SDPA's memory is counted")
     p.add_argument("--json", default=None, help="write the report to this file")
     args = p.parse_args(argv)
-    if args.reference:
-        print("simulate: --reference torch is not implemented yet", file=sys.stderr)
-        return 2
     try:
         factory = _load(args.factory)
         request = SimulationRequest(
@@ -46,18 +49,50 @@ def main(argv: list[str] | None = None) -> int:
             sharding_strategy=args.sharding_strategy, precision=args.precision, batch=args.batch,
             seq_len=args.seq_len, steps=args.steps, cpu_offload=args.cpu_offload,
             activation_checkpointing=args.activation_checkpointing, rank=args.rank,
-            devices_per_node=args.devices_per_node, checkpoint=not args.no_checkpoint,
+            devices_per_node=args.devices_per_node, checkpoint=not args.no_checkpoint, attention=args.attention,
+            sequence_parallel=args.sequence_parallel,
         )  # fmt: skip
         report = simulate_training(factory, request)
+        if args.reference:
+            from lightning_shard.simulate.reference import TORCH_ENGINE, compare
+
+            report = compare(report, simulate_training(factory, request, engine=TORCH_ENGINE))
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 1
-    for key, value in report.items():
-        print(f"{key:26s} {_fmt(value)}")
+    _print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _print(report: dict) -> None:
+    reference = report.get("reference")
+    if reference is None:
+        for key, value in report.items():
+            print(f"{key:26s} {_fmt(value)}")
+        return
+    print(f"{'':26s} {'lightning_shard':>34s} {reference['engine']:>34s}  ratio")
+    ratios = report["ratio_to_reference"]
+    for key, value in report.items():
+        if key in ("reference", "ratio_to_reference", "engine"):
+            continue
+        if key == "peak_by_phase":
+            for phase in value:
+                ratio = ratios["peak_by_phase"].get(phase)
+                print(
+                    f"{'  peak ' + phase:26s} {_fmt(value[phase]):>34s} {_fmt(reference[key].get(phase, 0)):>34s}"
+                    f"  {_fmt_ratio(ratio)}"
+                )
+            continue
+        print(f"{key:26s} {_fmt(value):>34s} {_fmt(reference.get(key)):>34s}  {_fmt_ratio(ratios.get(key))}")
+
+
+def _fmt_ratio(ratio) -> str:
+    if ratio is None:
+        return ""
+    return json.dumps(ratio) if isinstance(ratio, dict) else f"{ratio:.3f}"
 
 
 def _fmt(value) -> str:

@@ -149,6 +149,44 @@ class RecordingHandle(DeviceHandle):
         return sum(c[0] == name for c in self.calls)
 
 
+class NullStream:
+    """A stream of the stand-in device's module: orders nothing (fake tensors run no kernels)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class NullEvent:
+    """An event of the stand-in device's module: always complete."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> NullEvent:
+        return self
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class SimDeviceModule:
     """The stand-in device's ``torch.<device type>`` module (what ``torch.cuda`` is to CUDA), backed by a
     ``RecordingHandle``: the few names torch's own device-generic code looks up (``torch.get_device_module``),
@@ -163,9 +201,22 @@ class SimDeviceModule:
     """
 
     _initialized = True  # torch.utils.checkpoint stashes the device RNG state only for an initialised device
+    # torch's FSDP2 (the simulator's --reference torch) creates streams and events; on fake tensors they order
+    # nothing. The engine itself goes through the RecordingHandle, which records its stream use.
+    Stream, Event = NullStream, NullEvent
 
     def __init__(self, handle: RecordingHandle) -> None:
         self.handle = handle
+        self._stream = NullStream()
+
+    def current_stream(self, device=None) -> NullStream:
+        return self._stream
+
+    def stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device=None) -> None:
+        pass
 
     def is_available(self) -> bool:
         return True

@@ -1,9 +1,18 @@
 """``MemoryTracker``: live and peak bytes per device type of the fake tensors a simulation allocates.
 
-Fake tensors own no memory, but each has a storage of a known size. The tracker (a dispatch mode inside the
-simulator's ``FakeTensorMode``) counts a storage when an op first returns it, uncounts it when the storage
+Fake tensors own no memory, but each has a storage of a known size. The tracker counts a storage when an op
+first returns it, uncounts it when the storage
 dies, and follows ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded parameters). Peaks
 are kept overall and per named phase (``tracker.phase = "forward"``).
+
+Inside a ``FakeTensorMode`` (the simulator's case) the tracker observes the fake mode's own dispatch, which every
+op on a fake tensor reaches, including the ops a tensor subclass (a DTensor) runs on its local tensors inside its
+``__torch_dispatch__``: their temporaries and collectives count too. (A dispatch mode pushed above the fake mode
+would be switched off while a subclass handles an op, and would see only the op's outputs.) Without a fake mode
+the tracker is an ordinary dispatch mode.
+
+The tracker sees every op, so it also counts the collective ops (``c10d`` and functional collectives) inside
+``count_collectives()``: the same accounting for any engine, whether or not it calls ``lightning_shard.comm``.
 
 Example::
 
@@ -14,8 +23,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,6 +47,8 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "setup"
         self._entries: dict[int, tuple[str, int]] = {}  # id(storage) -> (device type, bytes counted)
         self._resize = None
+        self._counts: list = []
+        self._fake_mode = None  # the FakeTensorMode whose dispatch is observed, if any
 
     def __enter__(self):
         tracker, original = self, torch.UntypedStorage.resize_
@@ -47,18 +60,41 @@ class MemoryTracker(TorchDispatchMode):
 
         self._resize = original
         torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
+        fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if fake_mode is None or "dispatch" in vars(fake_mode):
+            return super().__enter__()
+        dispatch = fake_mode.dispatch
+
+        def observed(func, types, args=(), kwargs=None):
+            out = dispatch(func, types, args, kwargs)
+            tracker._observe(func, args, out)
+            return out
+
+        fake_mode.dispatch, self._fake_mode = observed, fake_mode
+        return self
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
+        if self._fake_mode is None:
+            return super().__exit__(*exc)
+        del self._fake_mode.dispatch  # back to the class's method
+        self._fake_mode = None
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._observe(func, args, out)
+        return out
+
+    def _observe(self, func, args, out) -> None:
+        if self._counts and func.namespace in _COLLECTIVE_NAMESPACES:
+            self._count(func, args)
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+            return
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
-        return out
 
     def track(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage if it is new (tensors made outside the tracker can be added this way).
@@ -76,6 +112,34 @@ class MemoryTracker(TorchDispatchMode):
         self._entries[key] = (t.device.type, 0)
         weakref.finalize(storage, self._release, key)
         self._set(key, storage.nbytes())
+
+    @contextlib.contextmanager
+    def count_collectives(self) -> Iterator:
+        """Count the collective ops dispatched inside the block, as ``lightning_shard.comm.count_collectives``
+        does (calls and input bytes per kind).
+
+        Example::
+
+            with tracker.count_collectives() as counts:
+                model(x).sum().backward()
+            counts.calls["all_gather"]
+        """
+        from lightning_shard.comm import CollectiveCounts
+
+        counts = CollectiveCounts()
+        self._counts.append(counts)
+        try:
+            yield counts
+        finally:
+            self._counts.remove(counts)
+
+    def _count(self, func, args) -> None:
+        kind, position = _COLLECTIVE_KINDS.get(func._opname, (None, 0))
+        if kind is None:
+            return
+        tensor = pytree.tree_leaves(args[position])[0]
+        for counts in self._counts:
+            counts.record(kind, tensor)
 
     def reset_peaks(self) -> None:
         """Start new peaks from the current live bytes."""
@@ -99,3 +163,28 @@ class MemoryTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         device, nbytes = self._entries.pop(key)
         self.live[device] -= nbytes
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+# op name -> (kind, position of its input in the op's arguments); c10d's ops take (output, input, ...)
+_COLLECTIVE_KINDS = {
+    "_allgather_base_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "allgather_": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 0),
+    "broadcast_": ("broadcast", 0),
+    "broadcast": ("broadcast", 0),
+}

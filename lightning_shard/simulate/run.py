@@ -8,6 +8,11 @@ materialisation (``to_empty`` + ``reset_parameters``), then K steps of forward, 
 and AdamW, then (unless ``checkpoint=False``) a sharded and a full checkpoint save and load through the
 engine's checkpoint code with a storage stand-in (``lightning_shard.simulate.checkpoint``).
 
+Attention is counted as a GPU's flash attention keeps it (``attention.py``; ``attention="math"`` for torch's
+math path) and the staging kernels as launches that allocate nothing (``kernels.py``). ``engine=`` swaps the
+engine-specific steps (meshes, TP + ``fully_shard``, clipping): ``reference.TORCH_ENGINE`` runs torch's own
+FSDP2 on the same simulation, for ``--reference torch``.
+
 Example::
 
     report = simulate_training(build_llama, devices=8, precision="bf16-mixed", batch=1, seq_len=8192)
@@ -16,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +33,12 @@ from lightning_shard import comm
 from lightning_shard.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from lightning_shard.fsdp.units import find_repeated_blocks
 from lightning_shard.mesh import init_device_mesh
+from lightning_shard.simulate.attention import flash_attention_accounting
+from lightning_shard.simulate.kernels import simulated_staging_kernels
 from lightning_shard.simulate.world import simulated_world
 from lightning_shard.utils import clip_grad_norm_
 
-__all__ = ["SimulationRequest", "simulate_training"]
+__all__ = ["SimulationRequest", "simulate_training", "Engine", "ENGINE"]
 
 _POLICIES = {
     "32-true": MixedPrecisionPolicy(),
@@ -55,7 +63,9 @@ class SimulationRequest:
     rank: int = 0
     devices_per_node: int = 8
     vocab_size: int | None = None
-    checkpoint: bool = True
+    checkpoint: bool = True  # our engine only: torch's FSDP2 (--reference torch) saves with its own code
+    sequence_parallel: bool = False  # with T > 1: auto_tp_plan(sequence_parallel=...), as the strategy's flag
+    attention: str = "flash"  # how SDPA's memory is counted: "flash" (a GPU's fused kernels) or "math"
 
     def check(self) -> None:
         if self.devices < 1:
@@ -71,25 +81,51 @@ class SimulationRequest:
             raise ValueError(f"simulate: {self.sharding_strategy} with tensor parallelism is not supported")
         if self.precision not in _POLICIES:
             raise ValueError(f"simulate: --precision {self.precision!r} is not one of {sorted(_POLICIES)}")
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"simulate: --attention {self.attention!r} is not 'flash' or 'math'")
         if not 0 <= self.rank < self.devices:
             raise ValueError(f"simulate: --rank {self.rank} must be in [0, {self.devices})")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
 
 
-def simulate_training(factory: Callable[[], nn.Module], request: SimulationRequest) -> dict:
-    """Run ``request`` (see the module docstring) and return the report dict."""
+@dataclass(frozen=True)
+class Engine:
+    """The engine-specific steps of a simulation: this package's (``ENGINE``) or torch's, the reference
+    (``lightning_shard.simulate.reference.TORCH_ENGINE``). Everything else (the world, the model, the data, the
+    steps, the memory accounting) is shared, so the two reports compare like with like."""
+
+    name: str
+    meshes: Callable  # (device_type, request) -> (mesh, fsdp_mesh)
+    parallelize: Callable  # (model, mesh, fsdp_mesh, request) -> None: TP, then fully_shard per unit
+    clip_grad_norm: Callable  # (parameters, max_norm) -> total norm
+    device_module: Callable = lambda device_type, count: contextlib.nullcontext()  # what the engine needs of torch
+
+
+def simulate_training(
+    factory: Callable[[], nn.Module], request: SimulationRequest, engine: Engine | None = None
+) -> dict:
+    """Run ``request`` (see the module docstring) with ``engine`` (default: this package's) and return the
+    report dict."""
     request.check()
-    started = time.perf_counter()
-    with simulated_world(request.devices, request.rank, devices_per_node=request.devices_per_node) as world:
+    engine = engine or ENGINE
+    started, started_cpu = time.perf_counter(), time.process_time()
+    with contextlib.ExitStack() as stack:
+        world = stack.enter_context(
+            simulated_world(request.devices, request.rank, devices_per_node=request.devices_per_node)
+        )
+        stack.enter_context(engine.device_module(world.device_type, world.handle.device_count()))
+        stack.enter_context(simulated_staging_kernels())
+        if request.attention == "flash":
+            stack.enter_context(flash_attention_accounting())
         mem = world.memory
-        mesh, fsdp_mesh = _meshes(world.device_type, request)
+        mesh, fsdp_mesh = engine.meshes(world.device_type, request)
         try:
             with torch.device("meta"):
                 model = factory()
         except Exception as e:
             raise ValueError(f"simulate: the model factory {factory!r} failed: {e!r}") from e
-        _parallelize(model, mesh, fsdp_mesh, request)
+        engine.parallelize(model, mesh, fsdp_mesh, request)
         model.to_empty(device=world.device)
         with torch.no_grad():
             for m in model.modules():
@@ -100,19 +136,20 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         vocab = request.vocab_size or _vocab_of(model)
         for _ in range(request.steps):
-            with comm.count_collectives() as counts:
+            with comm.count_collectives() as ours, mem.count_collectives() as dispatched:
                 x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
                 mem.phase = "forward"
                 loss = model(x).float().mean()
                 mem.phase = "backward"
                 loss.backward()
                 mem.phase = "optimizer"
-                clip_grad_norm_(model.parameters(), 1.0)
+                engine.clip_grad_norm(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
                 del loss
-        checkpoint = _simulate_checkpoints(model, optimizer, world, request)
+        checkpoint = _simulate_checkpoints(model, optimizer, world, request) if engine is ENGINE else {}
     device = world.device_type
+    counts = ours if engine is ENGINE else dispatched  # torch's collectives bypass lightning_shard.comm
     return {
         "peak_device_bytes": mem.peak[device],
         "peak_by_phase": {phase: peaks.get(device, 0) for phase, peaks in mem.peak_by_phase.items()},
@@ -122,6 +159,8 @@ def simulate_training(factory: Callable[[], nn.Module], request: SimulationReque
         "host_bytes_offloaded": host_after_setup if request.cpu_offload else 0,
         "checkpoint_bytes": checkpoint,
         "simulation_seconds": round(time.perf_counter() - started, 1),
+        "simulation_cpu_seconds": round(time.process_time() - started_cpu, 1),  # this process's CPU time
+        "engine": engine.name,
     }
 
 
@@ -137,28 +176,31 @@ def _simulate_checkpoints(
     return simulate_checkpoints(model, optimizer, world.memory)
 
 
-def _meshes(device_type: str, r: SimulationRequest):
+def mesh_shape(r: SimulationRequest) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
+    """The mesh's shape, its dimension names, and the names of the dimensions FSDP shards over."""
     dp = r.devices // r.tensor_parallel_size
     if r.sharding_strategy == "NO_SHARD":
-        mesh = init_device_mesh(device_type, (dp, 1), mesh_dim_names=("replicate", "data_parallel"))
-        return mesh, mesh
+        return (dp, 1), ("replicate", "data_parallel"), ("replicate", "data_parallel")
     if r.sharding_strategy == "HYBRID_SHARD":
         per_node = min(r.devices_per_node, dp)
         if dp % per_node:
             raise ValueError(f"simulate: HYBRID_SHARD needs --devices {dp} to be a multiple of {per_node} per node")
-        mesh = init_device_mesh(device_type, (dp // per_node, per_node), mesh_dim_names=("replicate", "data_parallel"))
-        return mesh, mesh
-    mesh = init_device_mesh(
-        device_type, (dp, r.tensor_parallel_size), mesh_dim_names=("data_parallel", "tensor_parallel")
-    )
-    return mesh, mesh["data_parallel"]
+        return (dp // per_node, per_node), ("replicate", "data_parallel"), ("replicate", "data_parallel")
+    return (dp, r.tensor_parallel_size), ("data_parallel", "tensor_parallel"), ("data_parallel",)
+
+
+def _meshes(device_type: str, r: SimulationRequest):
+    shape, names, fsdp_names = mesh_shape(r)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return mesh, mesh if fsdp_names == names else mesh[fsdp_names[0]]
 
 
 def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> None:
     if r.tensor_parallel_size > 1:
         from lightning_shard.tp import auto_tp_plan, parallelize_module
 
-        parallelize_module(model, mesh["tensor_parallel"], auto_tp_plan(model, mesh["tensor_parallel"]))
+        plan = auto_tp_plan(model, mesh["tensor_parallel"], sequence_parallel=r.sequence_parallel)
+        parallelize_module(model, mesh["tensor_parallel"], plan)
     blocks = find_repeated_blocks(model)
     if r.activation_checkpointing:
         from torch.utils.checkpoint import checkpoint
@@ -181,3 +223,6 @@ def _vocab_of(model: nn.Module) -> int:
         if isinstance(m, nn.Embedding):
             return m.num_embeddings
     raise ValueError("simulate: the model has no nn.Embedding to draw token ids for; pass --vocab-size")
+
+
+ENGINE = Engine("lightning_shard", _meshes, _parallelize, clip_grad_norm_)

@@ -13,7 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import strategies  # noqa: F401  (registers "shard_fsdp_tp")
 from tests.harness import distributed
-from tests.lightning_models import LitGPT, reference_params
+from tests.lightning_models import LitGPT, reference_params, sampler_batches
+from tests.test_checkpoint_interop_fsdp import reference
 from tests.test_strategy import _trainer
 from tests.test_strategy_checkpoint import _full_params, _shared_path
 
@@ -138,8 +139,19 @@ def test_resume_from_a_model_parallel_strategy_checkpoint(tmp_path):
         assert torch.equal(momentum[i], their_momentum[i]), i
     assert ours.optimizers[0].param_groups[0]["lr"] == 0.1
 
-    # continue one epoch from it
+    # the single-process reference: their epoch saw the data in order, 4 samples per step on every rank (no
+    # sampler); ours shards epoch 1 with Lightning's DistributedSampler (seed 1), 2 x 4 samples per step
+    theirs_schedule = [torch.arange(i, i + 4) for i in range(0, 64, 4)]
+    after_theirs = reference(theirs_schedule, optimizer=_sgd)
+    _close(their_params, after_theirs, atol=1e-6)
+
+    # continue one epoch from it: equals the reference continuing on the same batches
     resumed = LitGPT(lr=0.5)
     trainer = _trainer(max_epochs=2, max_steps=-1)
     trainer.fit(resumed, ckpt_path=path)
     assert trainer.global_step == their_steps + 8  # ours shards the data: 8 steps per epoch
+    _close(_full_params(resumed), reference(theirs_schedule + sampler_batches(2, 4, seed=1), optimizer=_sgd), 1e-6)
+
+
+def _sgd(model: torch.nn.Module, lr: float) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

@@ -1,11 +1,13 @@
 """Checksums of checkpoint entries, and the errors a damaged or unwritable checkpoint raises.
 
-Every entry DCP writes (one tensor chunk, or one non-tensor value) is hashed at save time from the bytes
-handed to the writer (:class:`ChecksumSavePlanner`), and the digests go into the completion marker. At load
-and in consolidation the reader hashes each entry again right after reading it, before any value reaches
-the caller (``_safe_io.SafeFileSystemReader``). The hash is xxHash's XXH3-64 (about 25 GB/s on one core
-here, ~1% of a save; see ``benchmarks/checkpoint_integrity.py``), or zlib's CRC-32 where the ``xxhash``
-package is missing; the marker names the algorithm used.
+Every entry DCP writes (one tensor chunk, or one non-tensor value) is hashed at save time from the value
+handed to the writer (:class:`ChecksumSavePlanner`; entries over 1 MiB on a :class:`BackgroundHasher` thread
+while the writer writes), and the digests go into the completion marker. At load and in consolidation the
+reader hashes each entry again right after reading and decoding it, before any value reaches the caller
+(``_safe_io.SafeFileSystemReader``): a damaged byte that changes a loaded value is caught. The hash is
+xxHash's XXH3-64 (~17-25 GB/s on one core here; its cost is measured by
+``benchmarks/checkpoint_integrity.py``), or zlib's CRC-32 where the ``xxhash`` package is missing; the
+marker names the algorithm used.
 
 Example::
 

@@ -1,18 +1,21 @@
 """Checksums computed on a background thread while the writer writes: large entries (over
 ``BackgroundHasher.INLINE_BYTES``) are hashed there, and a flipped byte in one is still caught at load and in
-consolidation; the digests equal the synchronous ones; an error on the thread fails the save cleanly; torch's
-zip CRC-32 setting is switched off only while a save writes."""
+consolidation; the digests equal the synchronous ones; an error on the thread fails the save cleanly, on every
+rank; torch's zip CRC-32 setting is switched off only while a save writes."""
 
 import glob
 import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
 from lightning_shard.checkpoint import _integrity, consolidate, load, save
 from lightning_shard.checkpoint._integrity import BackgroundHasher, digest
+from tests.harness import distributed
 from tests.test_checkpoint_integrity import _entry, _flip_byte
+from tests.test_strategy_checkpoint import _shared_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
 
@@ -115,3 +118,28 @@ def test_zip_crc_is_skipped_only_while_saving(tmp_path, monkeypatch):
         pos = f.read().find(torch.tensor([500.0]).numpy().tobytes())
     _flip_byte(file, pos + 3)
     assert torch.load(file, weights_only=True)[500].item() != 500.0
+
+
+@distributed(world_size=2, timeout=120)
+def test_a_hashing_error_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    path = _shared_path(tmp_path, "ckpt")
+    save(_big_state(1), path)
+    original = dict(_integrity.ALGORITHMS)
+
+    def failing(buf):  # rank 0 writes the plain tensors; its thread fails on the large ones
+        if buf.nbytes >= BackgroundHasher.INLINE_BYTES:
+            raise MemoryError("hashing failed on rank 0")
+        return original[_integrity.DEFAULT_ALGORITHM](buf)
+
+    if dist.get_rank() == 0:
+        _integrity.ALGORITHMS[_integrity.DEFAULT_ALGORITHM] = failing
+    try:
+        with pytest.raises(OSError, match="hashing failed on rank 0"):  # on both ranks, no rank left waiting
+            save(_big_state(2), path)
+    finally:
+        _integrity.ALGORITHMS.update(original)
+    dist.barrier()
+    assert not glob.glob(path + ".tmp-*")
+    target = _big_state(3)
+    load(target, path)
+    assert target["step"] == 1 and torch.equal(target["model"]["big"], _big_state(1)["model"]["big"])

@@ -29,10 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 try:
     import xxhash
@@ -44,6 +47,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointWriteError",
     "BackgroundHasher",
+    "ChecksumFileSystemWriter",
     "ChecksumSavePlanner",
     "DEFAULT_ALGORITHM",
     "digest",
@@ -247,6 +251,22 @@ class ChecksumSavePlanner(DefaultSavePlanner):
     def close(self) -> None:
         """Stop the hashing thread."""
         self._hasher.close()
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose write step ends only once the planner's hashing thread has hashed everything
+    this rank wrote: a hashing failure then fails this rank's write step, which DCP reports on every rank, like
+    a failed write (no rank is left waiting for digests that never come).
+
+    Example: ``dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp), planner=ChecksumSavePlanner())``.
+    """
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future = super().write_data(plan, planner)
+        future.wait()
+        if isinstance(planner, ChecksumSavePlanner):
+            planner.digests()  # waits; raises the thread's error here, inside DCP's write step
+        return future
 
 
 def failures_of(exc: BaseException) -> list[tuple[int | None, BaseException]]:

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor as TorchDTensor
@@ -60,6 +59,7 @@ from lightning_shard.checkpoint._integrity import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointWriteError,
+    ChecksumFileSystemWriter,
     ChecksumSavePlanner,
     digest,
     failures_of,
@@ -314,7 +314,7 @@ def _without_zip_crc32() -> Iterator[None]:
     """torch.save without the CRC-32 of each zip record, while DCP writes a checkpoint.
 
     torch's zip writer computes those CRCs at save but torch's reader never checks them (a flipped byte loads
-    silently: ``tests/test_checkpoint_integrity.py``); the marker's per-entry digests are the check, so the
+    silently: ``tests/test_checkpoint_integrity_overlap.py``); the marker's per-entry digests are the check, so the
     CRC pass is skipped (torch's documented ``set_crc32_options``; ``torch.load`` reads such files). The
     setting is process-wide: a ``torch.save`` on another thread meanwhile also skips it, and it is restored
     on every way out.
@@ -333,9 +333,9 @@ def _write_all(converted: dict, tmp: str, path: str, ckpt_id: str, extra_files: 
     planner = ChecksumSavePlanner(algorithm=DEFAULT_ALGORITHM)
     try:
         with _without_zip_crc32():
-            writer = FileSystemWriter(tmp, sync_files=True)
+            writer = ChecksumFileSystemWriter(tmp, sync_files=True)
             dcp.save(converted, storage_writer=writer, planner=planner, no_dist=not _dist())
-        mine = planner.digests()
+        mine = planner.digests()  # complete: the writer waited for them inside DCP's write step
     finally:
         planner.close()
     # Gathering the digests is also the barrier: every rank's files are written and synced.

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import strategies  # noqa: F401  (registers "shard_fsdp_tp")
 from tests.harness import distributed
 from tests.lightning_models import LitGPT, reference_params
+from tests.test_checkpoint_interop_fsdp import epochs, reference
 from tests.test_strategy import _trainer
 from tests.test_strategy_checkpoint import _full_params, _shared_path
 
@@ -119,13 +120,18 @@ def test_resume_from_a_model_parallel_strategy_checkpoint(tmp_path):
 
     path = _shared_path(tmp_path, "mp")
     theirs = _TorchFSDPGPT()
-    trainer = _trainer(strategy=ModelParallelStrategy(), max_epochs=1, max_steps=-1)
+    # data_parallel_size=2: torch's fully_shard shards over both ranks (the default, "auto", would make a 1 x 2
+    # mesh: every rank training the whole model on all the data)
+    mp = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = _trainer(strategy=mp, max_epochs=1, max_steps=-1)
     trainer.fit(theirs)
     trainer.save_checkpoint(path)
     assert os.path.isfile(os.path.join(path, ".metadata")) and not glob.glob(os.path.join(path, ".lightning*"))
     their_params = {n: p.full_tensor() for n, p in theirs.named_parameters()}
     their_momentum = _momentum(trainer)
-    their_steps = trainer.global_step  # ModelParallelStrategy adds no DistributedSampler: 16 steps per epoch
+    assert trainer.global_step == 8  # Lightning's DistributedSampler over the 2 data-parallel ranks
+    # the file holds what the FSDP2 run trained: single-process SGD on the same global batches
+    _close(their_params, reference(epochs(1), optimizer=_sgd), atol=1e-6)
 
     # restore only: parameters and optimizer state exactly those torch's FSDP2 run wrote
     restored = LitGPT(lr=0.5)
@@ -138,8 +144,13 @@ def test_resume_from_a_model_parallel_strategy_checkpoint(tmp_path):
         assert torch.equal(momentum[i], their_momentum[i]), i
     assert ours.optimizers[0].param_groups[0]["lr"] == 0.1
 
-    # continue one epoch from it
+    # continue one epoch from it: equals the single-process reference over both epochs
     resumed = LitGPT(lr=0.5)
     trainer = _trainer(max_epochs=2, max_steps=-1)
     trainer.fit(resumed, ckpt_path=path)
-    assert trainer.global_step == their_steps + 8  # ours shards the data: 8 steps per epoch
+    assert trainer.global_step == 16
+    _close(_full_params(resumed), reference(epochs(2), optimizer=_sgd), atol=1e-6)
+
+
+def _sgd(model: torch.nn.Module, lr: float) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)

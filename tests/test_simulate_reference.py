@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_shard.simulate import simulated_world
 from lightning_shard.simulate.run import SimulationRequest, simulate_training
 from tests.tp_models import Llama
 
@@ -194,3 +195,15 @@ def test_tracker_sees_collectives_and_temporaries_inside_a_dtensor_op():
 def test_unknown_attention_accounting_is_rejected():
     with pytest.raises(ValueError, match="--attention 'flashy'"):
         SimulationRequest(devices=8, attention="flashy").check()
+
+
+def test_tracker_counts_a_device_to_host_copy_on_the_host_only():
+    """``.cpu()`` of a device tensor allocates host memory only; the fake implementation's same-size
+    temporary on the source device is not what a GPU kernel allocates."""
+    with simulated_world(2, rank=0) as world:
+        x = torch.empty(1024, device=world.device)
+        device_live = world.memory.live[world.device_type]
+        world.memory.reset_peaks()
+        y = x.cpu()
+        assert world.memory.peak[world.device_type] == device_live
+        assert world.memory.live["cpu"] >= y.numel() * 4

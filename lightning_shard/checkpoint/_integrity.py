@@ -1,21 +1,26 @@
 """Checksums of checkpoint entries, and the errors a damaged or unwritable checkpoint raises.
 
-Every entry DCP writes (one tensor chunk, or one non-tensor value) is hashed at save time from the bytes
-handed to the writer (:class:`ChecksumSavePlanner`), and the digests go into the completion marker. At load
-and in consolidation the reader hashes each entry again right after reading it, before any value reaches
-the caller (``_safe_io.SafeFileSystemReader``). The hash is xxHash's XXH3-64 (about 25 GB/s on one core
-here, ~1% of a save; see ``benchmarks/checkpoint_integrity.py``), or zlib's CRC-32 where the ``xxhash``
-package is missing; the marker names the algorithm used.
+Every entry DCP writes (one tensor chunk, or one non-tensor value) is hashed at save time from the value
+handed to the writer (:class:`ChecksumSavePlanner`; entries over 1 MiB on a :class:`BackgroundHasher` thread
+while the writer writes), and the digests go into the completion marker. At load and in consolidation the
+reader hashes each entry again right after reading and decoding it, before any value reaches the caller
+(``_safe_io.SafeFileSystemReader``): a damaged byte that changes a loaded value is caught. The hash is
+xxHash's XXH3-64 (~17-25 GB/s on one core here; its cost is measured by
+``benchmarks/checkpoint_integrity.py``), or zlib's CRC-32 where the ``xxhash`` package is missing; the
+marker names the algorithm used.
 
 Example::
 
     planner = ChecksumSavePlanner()
     dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
-    planner.digests            # {"model.w|0,0": "9f2c...", ...}
+    planner.digests()          # {"model.w|0,0": "9f2c...", ...}
+    planner.close()
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import errno
 import io
 import os
@@ -24,10 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from lightning_shard.device import has_data
 
@@ -40,6 +48,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointWriteError",
+    "BackgroundHasher",
+    "ChecksumFileSystemWriter",
     "ChecksumSavePlanner",
     "DEFAULT_ALGORITHM",
     "digest",
@@ -125,17 +135,109 @@ def entry_key(index: MetadataIndex) -> str:
     return f"{index.fqn}|{','.join(str(int(o)) for o in index.offset)}"
 
 
+class BackgroundHasher:
+    """Digests computed on one worker thread while the caller goes on.
+
+    XXH3 (``xxhash``) and CRC-32 (``zlib``) release the GIL on large buffers, so hashing one checkpoint entry
+    runs beside the writer serialising and writing the next: on a machine with a spare core the checksums add
+    little to a save's wall time. Values under ``inline_bytes`` are hashed at once (handing them to the thread
+    costs more than hashing them). At most ``max_pending_bytes`` wait for the thread; beyond that ``submit``
+    waits for the oldest, so a slow hash never keeps many entries (or device-to-host copies) alive.
+
+    Example::
+
+        hasher = BackgroundHasher("xxh3_64")
+        hasher.submit("w", torch.ones(2**20))
+        hasher.digests()            # {"w": "..."}: waits for the thread
+    """
+
+    INLINE_BYTES = 1 << 20  # below: hashed at once (the thread handoff costs ~tens of microseconds)
+    MAX_PENDING_BYTES = 1 << 30
+
+    def __init__(
+        self,
+        algorithm: str = DEFAULT_ALGORITHM,
+        *,
+        inline_bytes: int | None = None,
+        max_pending_bytes: int | None = None,
+    ) -> None:
+        digest(b"", algorithm)  # an unknown algorithm fails here, not on the thread
+        self.algorithm = algorithm
+        self.inline_bytes = self.INLINE_BYTES if inline_bytes is None else inline_bytes
+        self.max_pending_bytes = self.MAX_PENDING_BYTES if max_pending_bytes is None else max_pending_bytes
+        self._done: dict[str, str] = {}
+        self._pending: collections.deque[tuple[str, int, concurrent.futures.Future]] = collections.deque()
+        self._pending_bytes = 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, key: str, value: torch.Tensor | io.BytesIO | bytes) -> None:
+        """Hash ``value`` under ``key`` (now if small, else on the thread); ``value`` must not change until
+        :meth:`digests` returns."""
+        if _without_data(value):  # the simulator's fake tensors: no bytes to hash, and its writer writes none
+            self._done[key] = NO_DATA
+            return
+        size = _nbytes(value)
+        if size < self.inline_bytes:
+            self._done[key] = digest(value, self.algorithm)
+            return
+        while self._pending and self._pending_bytes + size > self.max_pending_bytes:
+            self._collect_oldest()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+        self._pending.append((key, size, self._pool.submit(digest, value, self.algorithm)))
+        self._pending_bytes += size
+
+    def _collect_oldest(self) -> None:
+        key, size, future = self._pending.popleft()
+        self._pending_bytes -= size
+        self._done[key] = future.result()
+
+    def digests(self) -> dict[str, str]:
+        """Every digest (waits for the thread), keyed as submitted."""
+        while self._pending:
+            self._collect_oldest()
+        return self._done
+
+    def close(self) -> None:
+        """Stop the thread (pending hashes are dropped); safe to call more than once."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._pending.clear()
+        self._pending_bytes = 0
+
+
+def _nbytes(value: torch.Tensor | io.BytesIO | bytes) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, io.BytesIO):
+        return value.getbuffer().nbytes
+    return len(value)
+
+
 class ChecksumSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that hashes every entry as the writer asks for its data.
 
     Tensors are moved to the CPU here (the writer would copy them there next; on a CPU tensor its copy is a
-    no-op), so each byte is read from device memory once. ``digests`` maps :func:`entry_key` to the digest.
+    no-op), so each byte is read from device memory once. The hashing itself runs on a
+    :class:`BackgroundHasher` thread, beside the writer serialising and writing the entry. ``digests()`` maps
+    :func:`entry_key` to the digest once the writer is done; ``close()`` stops the thread (call it on every
+    way out of the save).
+
+    Example::
+
+        planner = ChecksumSavePlanner()
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=planner)
+            sums = planner.digests()
+        finally:
+            planner.close()
     """
 
     def __init__(self, *args: Any, algorithm: str = DEFAULT_ALGORITHM, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.algorithm = algorithm
-        self.digests: dict[str, str] = {}
+        self._hasher = BackgroundHasher(algorithm)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = super().resolve_data(write_item)
@@ -143,9 +245,34 @@ class ChecksumSavePlanner(DefaultSavePlanner):
             data = data.detach()
             if data.device.type != "cpu":
                 data = data.cpu()
-        # A tensor without data (the simulator's fake tensors) has no bytes to hash; its writer writes none.
-        self.digests[entry_key(write_item.index)] = NO_DATA if _without_data(data) else digest(data, self.algorithm)
+        # The writer only reads ``data`` (torch.save of a tensor, or the BytesIO's buffer): it stays unchanged
+        # while the thread hashes it.
+        self._hasher.submit(entry_key(write_item.index), data)
         return data
+
+    def digests(self) -> dict[str, str]:
+        """:func:`entry_key` -> digest of every entry the writer asked for (waits for the hashing thread)."""
+        return self._hasher.digests()
+
+    def close(self) -> None:
+        """Stop the hashing thread."""
+        self._hasher.close()
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """``FileSystemWriter`` whose write step ends only once the planner's hashing thread has hashed everything
+    this rank wrote: a hashing failure then fails this rank's write step, which DCP reports on every rank, like
+    a failed write (no rank is left waiting for digests that never come).
+
+    Example: ``dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp), planner=ChecksumSavePlanner())``.
+    """
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future = super().write_data(plan, planner)
+        future.wait()
+        if isinstance(planner, ChecksumSavePlanner):
+            planner.digests()  # waits; raises the thread's error here, inside DCP's write step
+        return future
 
 
 def _without_data(data: torch.Tensor | io.BytesIO) -> bool:

@@ -146,7 +146,7 @@ def simulated_storage() -> Iterator[StorageRecord]:
     if _RECORD is not None:
         raise RuntimeError("simulate: simulated_storage() is already active")
     swapped = {
-        "FileSystemWriter": RecordingWriter,
+        "ChecksumFileSystemWriter": RecordingWriter,
         "SafeFileSystemReader": StandInReader,
         "dcp": _RealIndexDCP,
         "to_torch": _unfaked(save_load.to_torch),

@@ -35,6 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["MemoryTracker"]
 
+# Ops whose real kernels write their output directly, but whose fake implementation decomposes into steps that
+# allocate: ``_to_copy`` to another device converts on the source device first (a same-size temporary there),
+# then moves. Only the op's output is counted for these; ``tensor.cpu()`` allocates host memory only, as on a GPU.
+_DIRECT_OPS = frozenset({torch.ops.aten._to_copy.default})
+
 
 class MemoryTracker(TorchDispatchMode):
     """Live bytes, peak bytes and peak bytes per phase, by device type (see the module docstring)."""
@@ -49,6 +54,7 @@ class MemoryTracker(TorchDispatchMode):
         self._resize = None
         self._counts: list = []
         self._fake_mode = None  # the FakeTensorMode whose dispatch is observed, if any
+        self._inside_direct_op = False
 
     def __enter__(self):
         tracker, original = self, torch.UntypedStorage.resize_
@@ -66,7 +72,16 @@ class MemoryTracker(TorchDispatchMode):
         dispatch = fake_mode.dispatch
 
         def observed(func, types, args=(), kwargs=None):
-            out = dispatch(func, types, args, kwargs)
+            if tracker._inside_direct_op:  # the fake implementation's own steps (see _DIRECT_OPS)
+                return dispatch(func, types, args, kwargs)
+            if func in _DIRECT_OPS:
+                tracker._inside_direct_op = True
+                try:
+                    out = dispatch(func, types, args, kwargs)
+                finally:
+                    tracker._inside_direct_op = False
+            else:
+                out = dispatch(func, types, args, kwargs)
             tracker._observe(func, args, out)
             return out
 

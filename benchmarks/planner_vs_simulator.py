@@ -14,20 +14,18 @@ Run (about two minutes on one CPU core; rank 0 of each configuration):
 What the planner is told so that both describe the same step:
 
 * the loss: the simulator's ``model(x).float().mean()`` (``loss_fn``), not the planner's default cross-entropy;
-* the attention kind: the simulator's stand-in device runs ``scaled_dot_product_attention`` on its unfused
-  math path (the ``B x H x S x S`` scores, upcast to fp32, are kept for backward), where GPUs run a flash
-  kernel. ``--attention`` defaults to ``math`` unless the simulator accounts attention as flash
-  (``lightning_shard.simulate.attention`` exists); the planner's default, for planning GPU runs, is flash;
+* the attention kind, the same on both sides: ``--attention flash`` (default: what GPUs run; the simulator
+  counts what flash attention saves and its backward workspaces) or ``math`` (torch's unfused path, which
+  keeps the ``B x H x S x S`` scores, upcast to fp32, for backward);
 * HYBRID_SHARD: the simulator's replicas are its nodes (``--devices-per-node``), the planner's ``replicas``.
 
-Not compared yet: activation checkpointing (the simulator refuses it for now); gradient clipping's all-reduce
-(the simulator clips every step; the planner does not count clipping).
+Not compared yet: activation checkpointing; gradient clipping's all-reduce (the simulator clips every step; the
+planner does not count clipping).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -87,8 +85,9 @@ CONFIGS = [
 ]
 
 
-def simulate(c: Config) -> dict:
+def simulate(c: Config, attention: str) -> dict:
     request = SimulationRequest(
+        attention=attention, checkpoint=False,
         devices=c.devices, tensor_parallel_size=c.tp, precision=c.precision, batch=c.batch, seq_len=c.seq_len,
         steps=2, cpu_offload=c.cpu_offload, devices_per_node=c.devices_per_node,
         sharding_strategy="HYBRID_SHARD" if c.hybrid else "FULL_SHARD",
@@ -123,8 +122,7 @@ def ratio(a: float, b: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default = "flash" if importlib.util.find_spec("lightning_shard.simulate.attention") else "math"
-    p.add_argument("--attention", choices=["math", "flash"], default=default)
+    p.add_argument("--attention", choices=["math", "flash"], default="flash", help="for both planner and simulator")
     p.add_argument("--only", default=None, help="run only the configurations whose name contains this")
     args = p.parse_args()
     print(f"attention: {args.attention}; loss: model(x).float().mean(); micro-batch 2 x 256; Llama 4 x 256")
@@ -137,7 +135,7 @@ def main() -> None:
         if args.only and args.only not in c.name:
             continue
         t0 = time.time()
-        sim = simulate(c)
+        sim = simulate(c, args.attention)
         est = plan(c, args.attention, profiles)
         phases = [ratio(est.phases[ph], sim["peak_by_phase"].get(ph, 0)) for ph in PHASES]
         ours, theirs = calls_by_kind(est), Counter(sim["collectives_per_step"])

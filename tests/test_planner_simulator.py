@@ -54,11 +54,11 @@ def test_loss_transients_are_measured_from_the_loss_itself():
 )
 def test_phase_peaks_match_the_simulator(devices, tp, precision, offload):
     request = SimulationRequest(devices=devices, tensor_parallel_size=tp, precision=precision, batch=B, seq_len=T,
-                                steps=2, cpu_offload=offload)  # fmt: skip
+                                steps=2, cpu_offload=offload, checkpoint=False, attention="math")  # fmt: skip
     sim = simulate_training(_llama, request)
     with torch.device("meta"):
         model = _llama()
-    # the simulator's stand-in device runs attention on the math path
+    # both count attention as torch's math path runs it (the simulator's --attention math)
     prof = profile_activations(model, precision=precision, batch=B, seq_len=T, loss_fn=_mean_loss, attention="math")
     est = estimate(model, (devices // tp, tp), precision=precision, batch=B, seq_len=T, loss_fn=_mean_loss,
                    activations=prof, cpu_offload=offload)  # fmt: skip

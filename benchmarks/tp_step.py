@@ -6,7 +6,8 @@ Both libraries shard the same model with the same plan on the same TP mesh: ours
 layouts, ...). For the tiny Hugging Face Llama this is torchtitan's Llama plan without sequence parallel:
 vocab-parallel embedding, ``PrepareModuleInput`` before attention and MLP, q/k/v/gate/up column-wise,
 o/down row-wise, LM head column-wise with gathered logits (HF's attention infers its local head count from
-the shard, ``view(..., -1, head_dim)``, so neither side adjusts ``num_heads``).
+the shard, ``view(..., -1, head_dim)``, so neither side adjusts ``num_heads``). The benchmarks' GPT gets a
+variant of its auto plan (``gpt_plan``), the same on both sides.
 
 Each rank times forward + backward + AdamW step of both models, alternating blocks of ``--steps`` steps
 (the order flips every repeat), after ``--warmup`` steps each. Per step it records wall time
@@ -125,10 +126,25 @@ def _called_positionally(model, logits, ids, names) -> dict[str, bool]:
     return seen
 
 
+def gpt_plan(model, tp: int) -> dict:
+    """The auto plan of the benchmarks' GPT without its ``PrepareModuleInput`` entries, plus its MLPs.
+
+    The auto plan wraps each whole block's input as a DTensor (Megatron style) while the block's residual adds
+    the row-parallel projection's local output to it, a DTensor plus a plain tensor, which neither library
+    accepts under pure TP; it also leaves the MLP (``up``/``down``) replicated. So the GPT gets the auto plan's
+    embedding, fused-qkv and LM-head entries and a column/row-parallel MLP, every output local."""
+    from lightning_shard.tp import ColwiseParallel, PrepareModuleInput, RowwiseParallel, auto_tp_plan
+
+    plan = {k: v for k, v in auto_tp_plan(model, tp).items() if not isinstance(v, PrepareModuleInput)}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.up"], plan[f"blocks.{i}.down"] = ColwiseParallel(), RowwiseParallel()
+    return plan
+
+
 def parallelize(variant: str, model, tp: int, logits, ids):
     from lightning_shard.tp import auto_tp_plan
 
-    plan = auto_tp_plan(model, tp)
+    plan = auto_tp_plan(model, tp) if hasattr(model, "config") else gpt_plan(model, tp)
     if variant == "ours":
         from lightning_shard import init_device_mesh
         from lightning_shard.tp import parallelize_module

@@ -149,6 +149,23 @@ def test_repeated_calls_hit_and_uncacheable_calls_are_decided_each_time():
     assert torch.equal(a.full_tensor() * 1.5, b.full_tensor())
 
 
+@distributed(world_size=2)
+def test_one_dtensor_passed_twice_does_not_stand_for_two_equal_ones():
+    # mul(x, x) and mul(x, y) have equal keys when x and y have equal specs: the decision must take each
+    # argument from its own position, not the object the first call happened to pass twice.
+    mesh = _mesh()
+    x, y = _dt((4, 6), [Shard(0)], mesh=mesh, seed=1)[:, ::2], _dt((4, 6), [Shard(0)], mesh=mesh, seed=2)[:, ::2]
+    clear_dispatch_cache()
+    aten.mul.Tensor(x, x)
+    out = aten.mul.Tensor(x, y)
+    assert dispatch_cache_info().hits == 1
+    assert torch.equal(out.full_tensor(), x.full_tensor() * y.full_tensor())
+    p, q = _partial(mesh), _partial(mesh) * 2  # a rule's own local call (a Partial's shift) passed one DTensor twice
+    clear_dispatch_cache()
+    aten.add.Tensor(p, p)
+    assert torch.equal(aten.add.Tensor(p, q).full_tensor(), p.full_tensor() + q.full_tensor())
+
+
 def _key_without(what):
     """A broken ``_key_into`` that leaves ``what`` out of the key (to show the cases can fail)."""
     original = _decisions._key_into

@@ -189,9 +189,16 @@ class Decision:
         src_args, src_kwargs = plan.local_args if plan.local_args is not None else (call.args, call.kwargs)
         sources: list[int] = []
 
+        own = plan.local_args is None
+        if not own and len({id(d) for d in call_dtensors}) != len(call_dtensors):
+            return None  # one DTensor passed twice: which argument the rule's local call means is ambiguous
+
         def slot(a):
             if isinstance(a, DTensor):
-                k = next((k for k, d in enumerate(call_dtensors) if d is a), None)
+                if own:  # the call's own arguments: the k-th DTensor met is the k-th one of any equal-keyed call
+                    k = len(sources)
+                else:  # the rule's local call: by identity (mul(x, x) and mul(x, y) share a key)
+                    k = next((k for k, d in enumerate(call_dtensors) if d is a), None)
                 if k is None:
                     raise _NoKey  # a DTensor the rule made: not a function of the key
                 sources.append(k)

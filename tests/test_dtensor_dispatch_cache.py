@@ -211,3 +211,17 @@ def test_each_case_detects_a_key_without_it(what):
             p.stop()
         clear_dispatch_cache()
     assert all(detected), (what, detected)
+
+
+@distributed(world_size=2)
+def test_the_cache_is_bounded():
+    import unittest.mock as mock
+
+    x = _dt((4, 6), [Shard(0)], mesh=_mesh())
+    clear_dispatch_cache()
+    with mock.patch.object(_decisions, "MAX_DECISIONS", 3):
+        for n in (2, 4, 6, 8, 12, 24, 2):
+            y = aten.view.default(x, [n, -1])
+            assert torch.equal(y.full_tensor(), x.full_tensor().view(n, -1)), n
+        assert dispatch_cache_info().size == 3
+    clear_dispatch_cache()

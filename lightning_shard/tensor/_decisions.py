@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -80,7 +81,10 @@ def clear_dispatch_cache() -> None:
 
 def _remember(key: tuple, decision: Decision) -> None:
     if len(_DECISIONS) >= MAX_DECISIONS:
-        del _DECISIONS[next(iter(_DECISIONS))]  # the oldest: insertion order
+        # The oldest (insertion order). Another thread (autograd's device threads) may change the dict meanwhile:
+        # then one is dropped next time.
+        with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+            del _DECISIONS[next(iter(_DECISIONS))]
     _DECISIONS[key] = decision
 
 

@@ -5,6 +5,10 @@ a scalar; (2) ask the op's rule (``ops/``) for a plan; (3) redistribute inputs t
 (4) run the op on meta tensors with the global shapes to learn the outputs' global shapes and strides;
 (5) run the op on the local shards and wrap the results as DTensors.
 
+Steps (1), (2) and (4) depend only on the op, the arguments' specs and the non-tensor arguments, so their
+outcome is cached per such key (``_decisions.py``, as torch's sharding propagator caches per ``OpSchema``): a
+repeated op goes straight to (3) and (5).
+
 Ops without a rule go to the replicate fallback (``fallback.py``): computed on replicated inputs, counted in
 ``fallback_counts()`` and warned about once per op, or refused under ``fallback_policy("error")``.
 
@@ -22,6 +26,15 @@ import functools
 import torch
 import torch.utils._pytree as pytree
 
+from lightning_shard.tensor._decisions import (
+    _DECISIONS,
+    _STATS,
+    Decision,
+    _remember,
+    clear_dispatch_cache,
+    decision_key,
+    dispatch_cache_info,
+)
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
 from lightning_shard.tensor.ops import load_rules
@@ -30,7 +43,7 @@ from lightning_shard.tensor.placements import Replicate
 from lightning_shard.tensor.redistribute import redistribute_local
 from lightning_shard.tensor.spec import DTensorSpec
 
-__all__ = ["dispatch", "fallback_counts", "reset_fallback_counts"]
+__all__ = ["dispatch", "fallback_counts", "reset_fallback_counts", "dispatch_cache_info", "clear_dispatch_cache"]
 
 _CUSTOM: dict = {}  # ops handled end to end by a function (random ops, _foreach_*, in-place views, ...)
 
@@ -60,6 +73,13 @@ def dispatch(func, args: tuple, kwargs: dict):
     fast = _same_layout_pointwise(func, args, kwargs)
     if fast is not None:
         return fast
+    key, dtensors = decision_key(func, args, kwargs)
+    if key is not None:
+        decision = _DECISIONS.get(key)
+        if decision is not None:
+            _STATS[0] += 1
+            return decision.run(func, args, kwargs, dtensors)
+        _STATS[1] += 1
     call = make_call(func, args, kwargs)
     rule = find_rule(func)
     try:
@@ -68,10 +88,14 @@ def dispatch(func, args: tuple, kwargs: dict):
     except NotImplementedError:
         # No meta kernel: the rule (or the dispatcher) cannot learn the output shapes; the fallback needs none
         # (its outputs are replicated, so local shapes are global ones).
-        return run_fallback(func, call.args, call.kwargs)
-    if plan is None:
-        return run_fallback(func, call.args, call.kwargs)
-    return run_plan(call, plan, meta_out)
+        plan = meta_out = None
+    decision = Decision.build(call, plan, meta_out) if key is not None else None
+    if decision is None:
+        if plan is None:
+            return run_fallback(func, call.args, call.kwargs)
+        return run_plan(call, plan, meta_out)
+    _remember(key, decision)
+    return decision.run(func, args, kwargs, dtensors)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -125,7 +149,7 @@ def _same_layout_pointwise(func, args: tuple, kwargs: dict):
                 s.placements != spec.placements
                 or s.shape != spec.shape
                 or s.stride != spec.stride
-                or s.mesh != spec.mesh
+                or (s.mesh is not spec.mesh and s.mesh != spec.mesh)  # identity first: DeviceMesh.__eq__ is slow
             ):
                 return None
             local_args.append(a._local_tensor)

@@ -74,5 +74,11 @@ class DTensorSpec:
             expected *= size
         return True
 
+    @cached_property
+    def _hash(self) -> int:
+        # The mesh is left out: equal specs have equal meshes, so the hash stays consistent with ==, and a
+        # mesh's hash reads its whole rank grid (specs key the dispatch cache, hashed once per spec).
+        return hash((self.placements, tuple(self.shape), self.stride, self.dtype))
+
     def __hash__(self) -> int:
-        return hash((self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype))
+        return self._hash

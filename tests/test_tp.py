@@ -50,6 +50,7 @@ MODELS = {
     "gpt2": (tp_models.GPT2, _lm_loss),
     "demo": (tp_models.demo_transformer, _demo_loss),
     "bert": (tp_models.Bert, _cls_loss),
+    "compact": (tp_models.CompactGPT, _lm_loss),
 }
 
 
@@ -109,6 +110,19 @@ def test_auto_plan_llama_gpt2_match_single_process():
         for sp, lp in ((False, False), (True, True), (False, True), (True, False)):
             counts = _check_model(name, sp, lp, tp_mesh)
             assert counts == {}, (name, sp, lp, counts)
+
+
+@distributed(world_size=2)
+def test_auto_plan_compact_block_matches_single_process():
+    """A block written as one module: its input cannot be prepared once (the norms and residuals take it
+    plainly), so each column-parallel Linear converts its own input, and the MLP beside the attention is
+    still sharded; sequence parallel stays off (it needs the attention's input prepared)."""
+    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    plan, summary = auto_tp_plan(tp_models.CompactGPT(), tp_mesh, sequence_parallel="auto", return_summary=True)
+    assert "blocks.0.up" in plan and "blocks.0.down" in plan and "blocks.0" not in plan, sorted(plan)
+    assert summary[0].startswith("sequence_parallel: off (attention blocks.0 shares its module"), summary[0]
+    for sp in (False, "auto"):
+        assert _check_model("compact", sp, False, tp_mesh) == {}
 
 
 @distributed(world_size=2)

@@ -101,6 +101,10 @@ class _Attn:
     head_tables: list[str] = field(default_factory=list)  # per-head embeddings (T5's relative_attention_bias)
     sharded: bool = False
     reason: str = ""
+    # The module holds only the projections (and per-head tables), so its input can be prepared once. A whole
+    # block written as one module (norms, attention and MLP Linears side by side) cannot: its residual adds and
+    # norms take the same input, plainly.
+    whole_module: bool = True
 
 
 @dataclass
@@ -160,7 +164,9 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
     if o_fqn is None:
         return None
     if fused and not (q and k and v):
-        return _Attn(fqn, [_join(fqn, fused)], o_fqn, sharded=True)
+        a = _Attn(fqn, [_join(fqn, fused)], o_fqn, sharded=True)
+        a.whole_module = _holds_only(m, fqn, [*a.q, a.o])
+        return a
     a = _Attn(fqn, [_join(fqn, n) for n in (q, k, v)], o_fqn)
     q_width = width
     head = _int_attr(m, HEAD_ATTRS)
@@ -192,8 +198,17 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
     a.head_tables = [
         _join(fqn, n) for n, c in m.named_children() if isinstance(c, nn.Embedding) and c.embedding_dim == a.heads
     ]
+    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables])
     a.sharded = True
     return a
+
+
+def _holds_only(m: nn.Module, fqn: str, owned: list[str]) -> bool:
+    """Whether every parameter of module ``m`` (at ``fqn``) belongs to one of the ``owned`` submodules (those
+    outside ``m``, such as BERT's sibling output projection, do not count)."""
+    prefix = f"{fqn}." if fqn else ""
+    mine = {id(p) for f in owned if f.startswith(prefix) for p in m.get_submodule(f[len(prefix) :]).parameters()}
+    return all(id(p) in mine for p in m.parameters())
 
 
 def _match_mlp(fqn: str, lin: dict[str, nn.Module], whole: bool) -> _Mlp | None:
@@ -291,10 +306,12 @@ def _sequence_parallel_blocker(modules, blocks, attns, mlps, mha) -> str | None:
         # projections take a plain tensor as replicated: wrong results, no error.
         return f"blocks in {len(stacks)} stacks ({', '.join(stacks)}): an encoder-decoder"
     for b in blocks:
-        a = [x for x in attns.values() if x.fqn.startswith(b + ".")]
-        p = [x for x in mlps.values() if x.fqn.startswith(b + ".")]
+        a = [x for x in attns.values() if x.fqn == b or x.fqn.startswith(b + ".")]
+        p = [x for x in mlps.values() if x.fqn == b or x.fqn.startswith(b + ".")]
         if not a or not all(x.sharded for x in a):
             return f"block {b} has no sharded attention submodule"
+        if not all(x.whole_module for x in a):
+            return f"attention {a[0].fqn} shares its module with other layers (norms or an MLP)"
         if not p or not all(x.sharded and x.whole_module for x in p):
             return f"block {b} has no sharded MLP submodule"
     return None
@@ -391,6 +408,20 @@ def auto_tp_plan(
             mlps[fqn] = mlp
             claimed |= {mlp.down, *mlp.ups}
 
+    # A block written as one module (attention and MLP Linears side by side, e.g. nanoGPT-style compact blocks):
+    # the MLP is among the Linears the attention did not claim.
+    for a in attns.values():
+        if not a.whole_module:
+            rest = {
+                _join(a.fqn, n): c
+                for n, c in _linear_children(modules[a.fqn]).items()
+                if _join(a.fqn, n) not in claimed
+            }
+            mlp = _match_mlp(a.fqn, rest, False)
+            if mlp is not None:
+                mlps[a.fqn] = mlp
+                claimed |= {mlp.down, *mlp.ups}
+
     def block_list(structures) -> list[str]:
         return [
             _join(f, n)
@@ -477,7 +508,8 @@ def auto_tp_plan(
         if not a.sharded:
             lines.append(f"{a.fqn}: {a.reason}")
             continue
-        add(a.fqn, _prepare_block_input(modules[a.fqn], block_in))
+        if a.whole_module:
+            add(a.fqn, _prepare_block_input(modules[a.fqn], block_in))
         o_style = RowwiseParallel(output_layouts=seq if sp else None)
         if len(a.q) == 1:
             fused = modules[a.q[0]]

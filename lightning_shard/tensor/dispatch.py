@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
+from lightning_shard.tensor.ops import _view_copies as view_copies
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.ops._registry import OpCall, Plan, find_rule, is_inplace
 from lightning_shard.tensor.placements import Replicate
@@ -54,6 +55,8 @@ def _custom_handler(func):
 
 def dispatch(func, args: tuple, kwargs: dict):
     load_rules()
+    if view_copies.LIVE:  # a view result that is a copy is alive: refuse writes into it, reads once stale
+        view_copies.check(func, args, kwargs)
     handler = _custom_handler(func)
     if handler is not None:
         return handler(func, args, kwargs)
@@ -68,10 +71,11 @@ def dispatch(func, args: tuple, kwargs: dict):
     except NotImplementedError:
         # No meta kernel: the rule (or the dispatcher) cannot learn the output shapes; the fallback needs none
         # (its outputs are replicated, so local shapes are global ones).
-        return run_fallback(func, call.args, call.kwargs)
-    if plan is None:
-        return run_fallback(func, call.args, call.kwargs)
-    return run_plan(call, plan, meta_out)
+        plan = None
+    out = run_fallback(func, call.args, call.kwargs) if plan is None else run_plan(call, plan, meta_out)
+    if view_copies.is_view_op(func):
+        view_copies.note_view(func, call.args, out)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -65,7 +65,8 @@ def _writes(func) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(positions, names) of the arguments ``func`` writes into; none for in-place view ops (metadata only)."""
     if torch.Tag.inplace_view in func.tags:
         return (), ()
-    written = [(i, a) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    args = enumerate(func._schema.arguments)
+    written = [(i, a) for i, a in args if a.alias_info is not None and a.alias_info.is_write]
     return tuple(i for i, a in written if not a.kwarg_only), tuple(a.name for _, a in written)
 
 

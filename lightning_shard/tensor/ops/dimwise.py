@@ -148,7 +148,10 @@ def _diag_embed(call: OpCall, spec: DTensorSpec):
 
 
 def _pad(call: OpCall, spec: DTensorSpec):
-    return set(range(spec.ndim - len(call.args[1]) // 2, spec.ndim)), _same
+    """Dims padded (or cropped) by a nonzero amount; ``pad`` lists (before, after) pairs from the last dim back
+    (the FFTs pad every dim, most by zero)."""
+    pad = list(call.args[1])
+    return {spec.ndim - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}, _same
 
 
 def _rot90(call: OpCall, spec: DTensorSpec):

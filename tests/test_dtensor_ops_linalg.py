@@ -45,14 +45,16 @@ def _cases():
         ("pinv", lambda x: la.pinv(x), [b], True),
         ("pinverse", lambda x: torch.pinverse(x, rcond=1e-3), [b], True),
         ("solve", lambda x, y: la.solve(x, y), [a, b], True),
+        ("solve with a broadcast rhs", lambda x, y: la.solve(x, y), [a, b[0]], False),
+        ("lu_solve with a broadcast rhs", lambda x, p, y: la.lu_solve(x, p, y), [lu, piv, b[0]], False),
         ("solve_triangular", lambda x, y: la.solve_triangular(x, y, upper=True), [tri, b], True),
         ("cholesky_solve", lambda y, x: torch.cholesky_solve(y, x), [b, la.cholesky(spd)], True),
         ("triangular_solve", lambda y, x: torch.triangular_solve(y, x), [b, tri], True),
-        ("householder_product", lambda x, t: la.householder_product(x, t), [qr, tau], False),
-        ("ormqr", lambda x, t, y: torch.ormqr(x, t, y), [qr, tau, _data(5, 4, 2, seed=3)], False),
-        ("lu_solve", lambda x, p, y: la.lu_solve(x, p, y), [lu, piv, b], False),
-        ("ldl_solve", lambda x, p, y: la.ldl_solve(x, p, y), [ld, ldpiv, b], False),
-        ("lu_unpack", lambda x, p: torch.lu_unpack(x, p), [lu, piv], False),
+        ("householder_product", lambda x, t: la.householder_product(x, t), [qr, tau], True),
+        ("ormqr", lambda x, t, y: torch.ormqr(x, t, y), [qr, tau, _data(5, 4, 2, seed=3)], True),
+        ("lu_solve", lambda x, p, y: la.lu_solve(x, p, y), [lu, piv, b], True),
+        ("ldl_solve", lambda x, p, y: la.ldl_solve(x, p, y), [ld, ldpiv, b], True),
+        ("lu_unpack", lambda x, p: torch.lu_unpack(x, p), [lu, piv], True),
     ]
 
 

@@ -39,14 +39,15 @@ def _arg(call: OpCall, name: str, default=None):
     return default
 
 
-def dimwise(mixed: MixedDims, side_inputs: bool = False, replicated: tuple[int, ...] = ()):
+def dimwise(mixed: MixedDims, side_inputs: bool = False, replicated: tuple[int, ...] = (), vectors: bool = False):
     """A rule from ``mixed(call, spec) -> (dims that must be whole, output dim of each kept dim)``.
 
     Another tensor input with the first's ndim and sizes on its sharded dims follows its layout; a 0-dim one
     is replicated; any other (one that could broadcast against the kept dims) makes every input replicated,
     unless ``side_inputs`` says the op applies such inputs along the mixed dims only (group norm's weight,
     an index vector). The DTensor inputs at ``replicated`` positions (bucketize's boundaries, prelu's weight)
-    are always replicated, whatever their shape."""
+    are always replicated, whatever their shape. With ``vectors``, an input of one dim less is a vector per
+    matrix of the first input (pivots, ``tau``): it has the same batch dims and follows their shards."""
 
     def rule(call: OpCall) -> Plan | None:
         first = call.specs[0]
@@ -72,7 +73,9 @@ def dimwise(mixed: MixedDims, side_inputs: bool = False, replicated: tuple[int, 
         for k, s in enumerate(call.specs[1:], 1):
             if k in replicated:
                 inputs.append(rep)
-            elif s.ndim == first.ndim and all(s.shape[d] == first.shape[d] for d in sharded):
+            elif (s.ndim == first.ndim or vectors and s.ndim == first.ndim - 1) and all(
+                d < s.ndim and s.shape[d] == first.shape[d] for d in sharded
+            ):
                 inputs.append(ins)
             elif s.ndim == 0 or side_inputs or not sharded:
                 inputs.append(rep)
@@ -227,16 +230,10 @@ def _register() -> None:
             "linalg_ldl_factor_ex",
             "linalg_pinv",
             # solves: the other matrices follow the first one's batch shards when they have its batch shape
-            # (pivots and tau have one dim less: then everything is replicated)
             "_linalg_solve_ex",
             "linalg_solve_triangular",
             "cholesky_solve",
             "triangular_solve",
-            "linalg_lu_solve",
-            "linalg_ldl_solve",
-            "lu_unpack",
-            "ormqr",
-            "linalg_householder_product",
         ],
         3: [
             "avg_pool3d",
@@ -264,6 +261,14 @@ def _register() -> None:
                 if "out" not in overload and "backward" not in overload:
                     register(getattr(packet, overload))(dimwise(last_dims(k)))
     register(aten.view_as_complex.default)(dimwise(last_dims(1)))
+    # matrices with a vector per matrix (pivots, tau: one dim less, the same batch dims)
+    register(
+        aten.linalg_lu_solve.default,
+        aten.linalg_ldl_solve.default,
+        aten.lu_unpack.default,
+        aten.ormqr.default,
+        aten.linalg_householder_product.default,
+    )(dimwise(last_dims(2), vectors=True))
     register(aten.view_as_real.default)(dimwise(_no_dims))  # a new last dim (real, imag): every shard stays
     register(aten.rot90.default)(dimwise(_rot90))
     register(aten.median.default, aten.nanmedian.default, aten.trace.default)(dimwise(_whole))

@@ -13,9 +13,9 @@ Some ops cannot be made exact this way; they raise a ``RuntimeError`` naming the
 - ``as_strided``-like ops on a DTensor whose strides do not describe a dense tensor (they address storage,
   which only a dense DTensor has in a form every rank can rebuild).
 
-Known limit: a view op (``diagonal``, ``unfold`` ...) computed here on inputs that had to be gathered returns
-a copy, not a view: writing into the result does not change its base (reading is exact). torch's DTensor
-has the same limit for views that need redistribution.
+A view op (``unfold``, ``as_strided`` ...) computed here on inputs that had to be gathered returns a copy,
+not a view: the dispatcher records it (``ops/_view_copies.py``), so writing into it, or reading it after
+its base changed in place, raises instead of silently differing from plain torch.
 
 Example::
 

@@ -18,6 +18,11 @@ Run (about 10 minutes on 2 busy CPU cores)::
     python benchmarks/dtensor_opdb.py --out runs/dtensor_opdb.jsonl
     python benchmarks/dtensor_opdb.py --ops squeeze matmul stft     # a few ops, printed per op
 
+or in three parts side by side (each a third of the sorted op names), then one table over the three::
+
+    python benchmarks/dtensor_opdb.py --part 1/3 --out runs/opdb1.jsonl   # and 2/3, 3/3
+    python benchmarks/dtensor_opdb.py --report runs/opdb1.jsonl runs/opdb2.jsonl runs/opdb3.jsonl
+
 The table printed at the end is the one in docs/dtensor.md.
 """
 
@@ -203,6 +208,16 @@ def select_ops(names: list[str] | None):
     return ops
 
 
+def part_names(part: str) -> list[str]:
+    """The op names of part ``k/n``: the k-th of n contiguous chunks of the sorted names (``"2/3"``)."""
+    k, n = (int(v) for v in part.split("/"))
+    if not 1 <= k <= n:
+        raise ValueError(f"--part {part}: expected k/n with 1 <= k <= n")
+    names = sorted({o.name for o in select_ops(None)})
+    size = -(-len(names) // n)
+    return names[(k - 1) * size : k * size]
+
+
 def op_key(opinfo) -> str:
     return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
 
@@ -304,14 +319,44 @@ def table(results: dict, libs) -> str:
     return "\n".join(lines)
 
 
+def report(results: dict, libs) -> None:
+    """The table, the ops clean in torch's DTensor but not in ours, and every op that is not clean."""
+    print(table(results, libs))
+    if set(LIBS) <= set(libs):
+        clean = {lib: {k for k, r in results.items() if r[lib][0] == "clean"} for lib in LIBS}
+        print(
+            f"\nclean in both: {len(clean['ours'] & clean['torch'])}, only ours: "
+            f"{len(clean['ours'] - clean['torch'])}, only torch's: {len(clean['torch'] - clean['ours'])}"
+        )
+        for k in sorted(clean["torch"] - clean["ours"]):
+            print(f"  {k}: ours {results[k]['ours'][0]} {results[k]['ours'][1]}")
+    for lib in libs:
+        for st in ("fallback", "wrong", "error"):
+            names = sorted(k for k, r in results.items() if r[lib][0] == st)
+            if names or st != "fallback":
+                print(f"\n{lib} {st} ({len(names)}):")
+            for k in names:
+                print(f"  {k}: {results[k][lib][1]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", nargs="*", default=None, help="OpInfo names (default: all of op_db)")
+    p.add_argument("--part", default=None, help="k/n: only the k-th of n chunks of the sorted op names")
+    p.add_argument("--report", nargs="+", default=None, help="print one table over these output files, no run")
     p.add_argument("--libs", nargs="*", default=list(LIBS), choices=LIBS)
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--out", default="dtensor_opdb.jsonl", help="one line per (op, library); a rerun resumes")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
+    if a.report:
+        results: dict = {}
+        for path in a.report:
+            results.update(_results(path))
+        report(results, a.libs)
+        return
+    if a.part:
+        a.ops = (a.ops or []) + part_names(a.part)
     argv = {"ops": a.ops, "libs": a.libs, "samples": a.samples, "out": a.out, "verbose": a.verbose or bool(a.ops)}
     while ("__finished__", "") not in _done(a.out):
         with socket.socket() as s:
@@ -321,14 +366,7 @@ def main() -> None:
             mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
         except mp.ProcessExitedException:
             _record_crash(a.out)
-    results = _results(a.out)
-    print(table(results, a.libs))
-    for lib in a.libs:
-        for st in ("wrong", "error"):
-            names = sorted(k for k, r in results.items() if r[lib][0] == st)
-            print(f"\n{lib} {st} ({len(names)}):")
-            for k in names:
-                print(f"  {k}: {results[k][lib][1]}")
+    report(_results(a.out), a.libs)
 
 
 if __name__ == "__main__":

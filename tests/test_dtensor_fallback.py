@@ -180,20 +180,20 @@ def test_fallback_policy_and_counts():
     with fallback_policy("error"):
         assert get_fallback_policy() == "error"
         _check(d * 2 + 1, x * 2 + 1)  # sharding rules: no fallback, no error
-        with pytest.raises(RuntimeError, match=r"aten.histc.default .*fallback policy is 'error'"):
-            torch.histc(d, bins=4)
+        with pytest.raises(RuntimeError, match=r"aten.renorm.default .*fallback policy is 'error'"):
+            torch.renorm(d, 2, 0, 1.0)
     assert get_fallback_policy() == "warn"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        hist = torch.histc(d, bins=4)
-        torch.histc(d, bins=4)
-    _check(hist, torch.histc(x, bins=4))
-    assert fallback_counts() == {"aten.histc.default": 3}
-    assert sum("aten.histc.default" in str(w.message) for w in seen) <= 1  # once per op and process
+        out = torch.renorm(d, 2, 0, 1.0)
+        torch.renorm(d, 2, 0, 1.0)
+    _check(out, torch.renorm(x, 2, 0, 1.0))
+    assert fallback_counts() == {"aten.renorm.default": 3}
+    assert sum("aten.renorm.default" in str(w.message) for w in seen) <= 1  # once per op and process
     fallback_policy("error")  # the setter form: takes effect without a with-block
     try:
-        with pytest.raises(RuntimeError, match="histc"):
-            torch.histc(d, bins=4)
+        with pytest.raises(RuntimeError, match="renorm"):
+            torch.renorm(d, 2, 0, 1.0)
     finally:
         fallback_policy("warn")
     with pytest.raises(ValueError, match="'raise'"):

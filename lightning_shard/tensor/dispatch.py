@@ -37,6 +37,7 @@ from lightning_shard.tensor._decisions import (
 )
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
+from lightning_shard.tensor.ops import _view_copies as view_copies
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.ops._registry import OpCall, Plan, find_rule, is_inplace
 from lightning_shard.tensor.placements import Replicate
@@ -67,6 +68,8 @@ def _custom_handler(func):
 
 def dispatch(func, args: tuple, kwargs: dict):
     load_rules()
+    if view_copies.LIVE:  # a view result that is a copy is alive: refuse writes into it, reads once stale
+        view_copies.check(func, args, kwargs)
     handler = _custom_handler(func)
     if handler is not None:
         return handler(func, args, kwargs)
@@ -74,12 +77,20 @@ def dispatch(func, args: tuple, kwargs: dict):
     if fast is not None:
         return fast
     key, dtensors = decision_key(func, args, kwargs)
-    if key is not None:
-        decision = _DECISIONS.get(key)
-        if decision is not None:
-            _STATS[0] += 1
-            return decision.run(func, args, kwargs, dtensors)
-        _STATS[1] += 1
+    decision = _DECISIONS.get(key) if key is not None else None
+    if decision is not None:
+        _STATS[0] += 1
+        out = decision.run(func, args, kwargs, dtensors)
+    else:
+        _STATS[1] += key is not None
+        out = _decide_and_run(func, args, kwargs, key, dtensors)
+    if view_copies.is_view_op(func):  # cached or not: a view result that is a copy must be recorded
+        view_copies.note_view(func, args, out)
+    return out
+
+
+def _decide_and_run(func, args: tuple, kwargs: dict, key, dtensors: list):
+    """Run the op's rule (or the fallback) and remember the decision under ``key`` when it can be reused."""
     call = make_call(func, args, kwargs)
     rule = find_rule(func)
     try:

@@ -13,9 +13,9 @@ Some ops cannot be made exact this way; they raise a ``RuntimeError`` naming the
 - ``as_strided``-like ops on a DTensor whose strides do not describe a dense tensor (they address storage,
   which only a dense DTensor has in a form every rank can rebuild).
 
-Known limit: a view op (``diagonal``, ``unfold`` ...) computed here on inputs that had to be gathered returns
-a copy, not a view: writing into the result does not change its base (reading is exact). torch's DTensor
-has the same limit for views that need redistribution.
+A view op (``unfold``, ``as_strided`` ...) computed here on inputs that had to be gathered returns a copy,
+not a view: the dispatcher records it (``ops/_view_copies.py``), so writing into it, or reading it after
+its base changed in place, raises instead of silently differing from plain torch.
 
 Example::
 
@@ -188,7 +188,17 @@ def _is_dense(spec: DTensorSpec) -> bool:
 
 
 def run_fallback(func, args: tuple, kwargs: dict):
-    """Compute ``func`` on replicated inputs; write mutated DTensor arguments back; wrap outputs as Replicate."""
+    """Compute ``func`` on replicated inputs; write mutated DTensor arguments back; wrap outputs as Replicate.
+    Counted in ``fallback_counts()`` and subject to the fallback policy."""
+    return run_replicated(func, args, kwargs, count=True)
+
+
+def run_replicated(func, args: tuple, kwargs: dict, *, count: bool = False):
+    """The fallback's computation without its bookkeeping, for *replicate rules*: ops whose rule decides to
+    compute on replicated inputs (``ops/batch_norm.py``), with the same write-back of mutated arguments.
+
+    Example: ``run_replicated(aten.native_batch_norm.default, args, kwargs)``.
+    """
     flat, tree = pytree.tree_flatten((args, kwargs))
     dtensors = [a for a in flat if isinstance(a, DTensor)]
     mesh = dtensors[0]._spec.mesh
@@ -199,7 +209,8 @@ def run_fallback(func, args: tuple, kwargs: dict):
     storage_op = func._schema.name.split("::")[-1] in _STORAGE_OPS
     if storage_op and not all(_is_dense(t._spec) for t in dtensors):
         raise not_exact(func, "it addresses storage and a DTensor argument is not dense")
-    record(func)
+    if count:
+        record(func)
     mutated_ids = {id(m) for m in mutated}
     local_flat = []
     for a in flat:

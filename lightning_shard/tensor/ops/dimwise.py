@@ -39,13 +39,15 @@ def _arg(call: OpCall, name: str, default=None):
     return default
 
 
-def dimwise(mixed: MixedDims, side_inputs: bool = False):
+def dimwise(mixed: MixedDims, side_inputs: bool = False, replicated: tuple[int, ...] = (), vectors: bool = False):
     """A rule from ``mixed(call, spec) -> (dims that must be whole, output dim of each kept dim)``.
 
     Another tensor input with the first's ndim and sizes on its sharded dims follows its layout; a 0-dim one
     is replicated; any other (one that could broadcast against the kept dims) makes every input replicated,
     unless ``side_inputs`` says the op applies such inputs along the mixed dims only (group norm's weight,
-    an index vector)."""
+    an index vector). The DTensor inputs at ``replicated`` positions (bucketize's boundaries, prelu's weight)
+    are always replicated, whatever their shape. With ``vectors``, an input of one dim less is a vector per
+    matrix of the first input (pivots, ``tau``): it has the same batch dims and follows their shards."""
 
     def rule(call: OpCall) -> Plan | None:
         first = call.specs[0]
@@ -68,8 +70,12 @@ def dimwise(mixed: MixedDims, side_inputs: bool = False):
         ins, rep = tuple(ins), tuple([REPLICATE] * call.mesh.ndim)
         sharded = [p.dim for p in ins if p.is_shard()]
         inputs = [ins]
-        for s in call.specs[1:]:
-            if s.ndim == first.ndim and all(s.shape[d] == first.shape[d] for d in sharded):
+        for k, s in enumerate(call.specs[1:], 1):
+            if k in replicated:
+                inputs.append(rep)
+            elif (s.ndim == first.ndim or vectors and s.ndim == first.ndim - 1) and all(
+                d < s.ndim and s.shape[d] == first.shape[d] for d in sharded
+            ):
                 inputs.append(ins)
             elif s.ndim == 0 or side_inputs or not sharded:
                 inputs.append(rep)
@@ -82,8 +88,8 @@ def dimwise(mixed: MixedDims, side_inputs: bool = False):
 
 def _n_outputs_of(call: OpCall) -> int:
     returns = call.func._schema.returns
-    if len(returns) == 1 and str(returns[0].type) == "Tensor":
-        return 1
+    if all(str(r.type) == "Tensor" for r in returns):
+        return len(returns)  # from the schema: some ops (geqrf) have no meta kernel to count them
     return _n_outputs(call)
 
 
@@ -145,7 +151,34 @@ def _diag_embed(call: OpCall, spec: DTensorSpec):
 
 
 def _pad(call: OpCall, spec: DTensorSpec):
-    return set(range(spec.ndim - len(call.args[1]) // 2, spec.ndim)), _same
+    """Dims padded (or cropped) by a nonzero amount; ``pad`` lists (before, after) pairs from the last dim back
+    (the FFTs pad every dim, most by zero)."""
+    pad = list(call.args[1])
+    return {spec.ndim - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}, _same
+
+
+def _rot90(call: OpCall, spec: DTensorSpec):
+    return {normalize_dim(d, spec.ndim) for d in _arg(call, "dims", [0, 1])}, _same
+
+
+def _whole(call: OpCall, spec: DTensorSpec):
+    """Every dim is mixed: a global reduction (median, trace, histc, dist) runs on the replicated input."""
+    return set(range(spec.ndim)), _same
+
+
+def _aminmax(call: OpCall, spec: DTensorSpec):
+    if _arg(call, "dim") is None:
+        return _whole(call, spec)
+    return along_dim(0, keepdim_arg=True)(call, spec)
+
+
+def _no_dims(call: OpCall, spec: DTensorSpec):
+    return set(), _same
+
+
+def _channel(call: OpCall, spec: DTensorSpec):
+    """prelu's weight applies along dim 1 (dim 0 of a 1-dim input)."""
+    return {1 if spec.ndim >= 2 else 0}, _same
 
 
 def _check_errors_rule(call: OpCall) -> Plan:
@@ -163,6 +196,9 @@ def _register() -> None:
             "replication_pad1d",
         ],
         2: [
+            "max_pool2d_with_indices_backward",  # grad_output first; self and indices have its shape
+            "tril",
+            "triu",
             "avg_pool2d",
             "max_pool2d_with_indices",
             "_adaptive_avg_pool2d",
@@ -175,6 +211,7 @@ def _register() -> None:
             "max_unpool2d",
             "reflection_pad2d",
             "replication_pad2d",
+            "grid_sampler_2d",  # input (N, C, H, W), grid (N, H', W', 2): only N is a batch dim of both
             # matrix functions act on the last two dims
             "cholesky",
             "cholesky_inverse",
@@ -188,6 +225,15 @@ def _register() -> None:
             "_linalg_det",
             "_linalg_slogdet",
             "_linalg_eigh",
+            "linalg_eig",
+            "linalg_lu",
+            "linalg_ldl_factor_ex",
+            "linalg_pinv",
+            # solves: the other matrices follow the first one's batch shards when they have its batch shape
+            "_linalg_solve_ex",
+            "linalg_solve_triangular",
+            "cholesky_solve",
+            "triangular_solve",
         ],
         3: [
             "avg_pool3d",
@@ -200,7 +246,11 @@ def _register() -> None:
             "max_unpool3d",
             "reflection_pad3d",
             "replication_pad3d",
+            "pixel_shuffle",  # (*, C, H, W): channels move into the spatial dims
+            "pixel_unshuffle",
+            "channel_shuffle",
         ],
+        4: ["grid_sampler_3d"],
     }
     for k, names in spatial.items():
         for name in names:
@@ -211,6 +261,22 @@ def _register() -> None:
                 if "out" not in overload and "backward" not in overload:
                     register(getattr(packet, overload))(dimwise(last_dims(k)))
     register(aten.view_as_complex.default)(dimwise(last_dims(1)))
+    # matrices with a vector per matrix (pivots, tau: one dim less, the same batch dims)
+    register(
+        aten.linalg_lu_solve.default,
+        aten.linalg_ldl_solve.default,
+        aten.lu_unpack.default,
+        aten.ormqr.default,
+        aten.linalg_householder_product.default,
+    )(dimwise(last_dims(2), vectors=True))
+    register(aten.view_as_real.default)(dimwise(_no_dims))  # a new last dim (real, imag): every shard stays
+    register(aten.rot90.default)(dimwise(_rot90))
+    register(aten.median.default, aten.nanmedian.default, aten.trace.default)(dimwise(_whole))
+    register(aten.histc.default, aten.dist.default)(dimwise(_whole))
+    register(aten.aminmax.default)(dimwise(_aminmax))
+    register(aten.bucketize.Tensor)(dimwise(_no_dims, replicated=(1,)))
+    register(aten._prelu_kernel.default)(dimwise(_channel, replicated=(1,)))
+    register(aten.narrow_copy.default, aten.slice_scatter.default)(dimwise(along_dim(0, reduces=False)))
     register(aten._linalg_check_errors.default)(_check_errors_rule)
     register(aten.constant_pad_nd.default)(dimwise(_pad))
     register(aten.native_group_norm.default)(_group_norm_rule)

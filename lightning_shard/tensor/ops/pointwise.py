@@ -174,6 +174,11 @@ def _register_all() -> None:
         aten.floor_divide_.Scalar,
         aten.hardswish.default,
         aten.hardswish_.default,
+        aten.complex.default,
+        aten.polar.default,
+        aten._conj.default,  # a view setting the conjugate bit (hfft, ihfft)
+        aten.fill.Scalar,
+        aten.fill.Tensor,
     }
     explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | _AVG_SHIFTS | {aten.fill_.Scalar} | untagged
     for op in explicit:

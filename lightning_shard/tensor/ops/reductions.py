@@ -239,6 +239,14 @@ def vector_norm_handler(func, args: tuple, kwargs: dict):
     return wrap_outputs(norm, meta, [outs], spec.mesh)
 
 
+@register_custom(aten.norm.ScalarOpt_dim)
+def norm_dim_handler(func, args: tuple, kwargs: dict):
+    """``norm(x, p, dim, keepdim)`` (``pairwise_distance``, the triplet losses) is ``linalg_vector_norm``."""
+    p = arg(func, args, kwargs, "p")
+    dim, keepdim = arg(func, args, kwargs, "dim"), arg(func, args, kwargs, "keepdim", False)
+    return dispatch(aten.linalg_vector_norm.default, (args[0], 2 if p is None else p, dim, keepdim), {})
+
+
 def _meta_call(func, args: tuple, kwargs: dict):
     from lightning_shard.tensor.dispatch import _run_on_meta
 

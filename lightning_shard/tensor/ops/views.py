@@ -254,6 +254,14 @@ def squeeze_handler(func, args, kwargs):
     return dispatch(aten.squeeze.dims, (x, squeezable_dims(x._spec, dims)), {})
 
 
+@register_custom(aten.squeeze_copy.default, aten.squeeze_copy.dim)
+def squeeze_copy_handler(func, args, kwargs):
+    """``squeeze_copy()`` / ``squeeze_copy(dim)`` become ``squeeze_copy.dims`` as ``squeeze`` does."""
+    x = args[0]
+    dims = None if func == aten.squeeze_copy.default else [args[1] if len(args) > 1 else kwargs["dim"]]
+    return dispatch(aten.squeeze_copy.dims, (x, squeezable_dims(x._spec, dims)), {})
+
+
 # ----------------------------------------------------------------------------------------------- broadcast
 @register(aten.expand.default)
 def expand_rule(call: OpCall) -> Plan:

@@ -184,12 +184,21 @@ def _impl(tensor: torch.Tensor) -> str:
 def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
     """(predivide, postdivide) whose product is ``world_size`` (gradients are averaged over ranks).
 
-    fp32 divides once after the sum. Low precision splits the division around the sum (as FSDP1 does) so
-    neither the terms nor the sum overflow or underflow.
+    fp32 divides once: over a power-of-two world before the sum, inside the copy-in kernel that stages the
+    gradients anyway, which saves a pass over the reduced shard after it. Dividing by a power of two only
+    shifts exponents, so each partial sum is the exact scaled partial sum and the result is bitwise that of
+    dividing after (barring gradients below 1e-38, subnormals). Over other worlds fp32 divides after the sum.
+    Low precision splits the division around the sum (as FSDP1 does) so neither the terms nor the sum
+    overflow or underflow.
+
+    >>> divide_factors(2, torch.float32), divide_factors(3, torch.float32), divide_factors(8, torch.bfloat16)
+    ((2.0, None), (None, 3.0), (2.0, 4.0))
     """
     if world_size == 1:
         return None, None
     if reduce_dtype == torch.float32:
+        if world_size & (world_size - 1) == 0:
+            return float(world_size), None
         return None, float(world_size)
     pre = 1
     while world_size % (pre * 2) == 0 and world_size / (pre * 2) >= pre * 2:

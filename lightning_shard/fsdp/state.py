@@ -8,6 +8,10 @@ found at the first forward) queues a callback at the end of backward that finish
 reduce-scatters groups whose post-backward never fired (inputs that did not require grad), waits for the
 in-flight reduce-scatters and reshards, so nothing leaks into the next step.
 
+The training state of each unit (IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD) changes only through
+``UnitState.on(event)``; ``training_state.py`` has the transition table, and an event the table does not allow
+raises ``FSDPStateError`` naming the unit.
+
 Prefetch: in forward, each group starts the all-gather of the group that ran forward after it in the
 previous step (the first step has no recorded order, so nothing is prefetched); in backward, the group that
 runs backward next (reverse of the recorded forward order). ``set_modules_to_forward_prefetch`` and
@@ -19,8 +23,6 @@ Example: see ``lightning_shard.fsdp.fully_shard``.
 
 from __future__ import annotations
 
-from enum import Enum, auto
-
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
@@ -28,17 +30,12 @@ from torch.autograd import Variable
 
 from lightning_shard.fsdp.param_group import FSDPParamGroup
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy
-
-
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
+from lightning_shard.fsdp.training_state import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, TrainingState, UnitState
 
 
 class FSDPState:
-    """Hooks and flags of one ``fully_shard`` call (its group may be ``None`` when it owns no parameter)."""
+    """Hooks of one ``fully_shard`` call (its group may be ``None`` when it owns no parameter) and its unit's
+    training state (``unit``)."""
 
     def __init__(
         self,
@@ -55,13 +52,13 @@ class FSDPState:
         self.all_states: list[FSDPState] = []  # root only: every state in its tree, in module order
         self.forward_order: list[FSDPState] = []  # root only: order of first pre-forward this step
         self.last_forward_order: list[FSDPState] = []  # root only: the previous step's, for forward prefetch
-        self.training_state = TrainingState.IDLE
+        self.unit = UnitState(", ".join(type(m).__name__ for m in modules))  # renamed by path at lazy init
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self.post_backward_done = False
         self.root: FSDPState | None = None
         self.summoned = False  # inside summon_full_params: hooks off, the module runs as a plain module
         self.last_reducing_group: FSDPParamGroup | None = None  # root only: the reduce-scatter in flight
+        self._callback_queued = False  # root only: the end-of-backward callback is queued
         # Under torch.compile the hooks run eagerly, as torch's FSDP2 runs its own by default
         # (torch._dynamo.config.skip_fsdp_hooks): they all-gather, free and swap parameters, which no graph holds.
         # A compiled model breaks its graph at each FSDP unit's boundary; a unit's forward itself compiles.
@@ -69,6 +66,10 @@ class FSDPState:
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_forward, prepend=False)
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self.unit.current
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
@@ -78,11 +79,12 @@ class FSDPState:
         self.root = self
         seen = set()
         for module in self.modules:
-            for sub in module.modules():
+            for path, sub in module.named_modules():
                 state = getattr(sub, "_fsdp_state", None)
                 if state is not None and id(state) not in seen:
                     seen.add(id(state))
                     self.all_states.append(state)
+                    state.unit.unit = f"{path or 'root'} ({type(sub).__name__})"
                     if state is not self:
                         if state.is_root:
                             raise RuntimeError(
@@ -97,11 +99,16 @@ class FSDPState:
         if self.summoned:
             return args, kwargs
         self._lazy_init()
-        if self.is_root:
+        if self.is_root and not _in_backward():
             self._root_pre_forward()
-        if self.training_state == TrainingState.FORWARD and self.group is not None and self.group.is_unsharded:
+        before = self.unit.current
+        self.unit.on("pre_forward")
+        if before is PRE_BACKWARD:  # activation checkpointing recomputes the unit: keep it unsharded for backward
+            if self.group is not None:
+                self.group.unshard()
+            return self._cast_inputs(args, kwargs)
+        if before is FORWARD and self.group is not None and self.group.is_unsharded:
             return args, kwargs  # another module of a list group already ran
-        self.training_state = TrainingState.FORWARD
         if self.root is not None and self not in self.root.forward_order:
             self.root.forward_order.append(self)
         if self.group is not None:
@@ -109,13 +116,23 @@ class FSDPState:
             for state in self._forward_prefetch_targets():
                 if state.group is not None:
                     state.group.start_unshard()
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._mark_inputs_for_post_backward(args, kwargs)
         return args, kwargs
 
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
     def _root_pre_forward(self) -> None:
+        # Outside backward no end-of-backward callback can be pending; units left mid-step by an exception in
+        # the last forward or backward (whose callback autograd then dropped) start this step from IDLE.
+        self._callback_queued = False
+        if any(state.unit.current is not IDLE for state in self.all_states):
+            for state in self.all_states:
+                state.unit.on("reset")
         for state in self.all_states:  # a forward after a backward that ended early (e.g. an exception)
             if state.group is not None:
                 state.group.finish_reduce()
@@ -138,6 +155,9 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if self.summoned:
             return output
+        if self.unit.current is PRE_BACKWARD:  # the recomputation (activation checkpointing) returned
+            self.unit.on("post_forward")
+            return self._cast_output(output)
         if self.is_root:
             self._drop_unused_prefetches()
         grad = torch.is_grad_enabled()
@@ -145,11 +165,15 @@ class FSDPState:
         # Without grad no backward comes, so always free them.
         if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root)):
             self.group.reshard(keep_post_forward_shard=grad)  # only kept with reshard_after_forward=<int>
-        self.training_state = TrainingState.IDLE
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+        self.unit.on("post_forward")
+        output = self._cast_output(output)
         if grad:
             output = self._register_pre_backward(output)
+        return output
+
+    def _cast_output(self, output):
+        if self.mp_policy.output_dtype is not None:
+            return _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     # ------------------------------------------------------------------ backward
@@ -165,17 +189,17 @@ class FSDPState:
         return pytree.tree_unflatten(flat, spec)
 
     def _register_pre_backward(self, output):
-        self.post_backward_done = False
         for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._pre_backward)
         return output
 
     def _pre_backward(self, grad: torch.Tensor):
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        before = self.unit.current
+        self.unit.on("pre_backward")
+        if before is PRE_BACKWARD:
             return grad
         (self.root or self)._queue_final_callback()
-        self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
             self.group.unshard()
             for state in self._backward_prefetch_targets():
@@ -187,13 +211,13 @@ class FSDPState:
         return _prefetch_targets(self, self.backward_prefetch, (self.root or self).forward_order, -1)
 
     def _queue_final_callback(self) -> None:
-        if getattr(self, "_callback_queued", False):
+        if self._callback_queued:
             return
         self._callback_queued = True
         Variable._execution_engine.queue_callback(self._root_post_backward_final)
 
     def post_backward(self) -> None:
-        self.training_state = TrainingState.POST_BACKWARD
+        self.unit.on("post_backward")
         if self.group is not None:
             # Bound memory: the previous group's reduce-scatter finishes (its staging buffer is freed) before
             # this group stages its gradients, so at most two staging buffers are alive, as in torch's FSDP2.
@@ -207,24 +231,32 @@ class FSDPState:
                 self.group.reshard()
             self.group.post_backward()
             root.last_reducing_group = self.group
-        self.post_backward_done = True
 
     def _root_post_backward_final(self) -> None:
         self._callback_queued = False
         self.last_reducing_group = None
         for state in self.all_states:
+            if state.unit.current is FORWARD:  # this backward ran inside the unit's forward: leave it be
+                state.unit.on("end_backward")
+                continue
             group = state.group
-            if group is not None and group.is_unsharded and not state.post_backward_done:
-                state.post_backward()  # its inputs did not require grad, so its hook never fired
+            # Unsharded without a post-backward since its last pre-backward: its inputs did not require grad (the
+            # root's token ids; a unit called twice whose first call's inputs did not), so no hook fired for it.
+            if group is not None and group.is_unsharded and state.unit.current is not POST_BACKWARD:
+                state.post_backward()
             if group is not None:
                 group.finish_reduce()
                 if group.reshard_after_backward:
                     group.reshard()
-            state.training_state = TrainingState.IDLE
-            state.post_backward_done = False
+            state.unit.on("end_backward")
         for state in self.all_states:
             if state.group is not None:
                 state.group.wait_for_gradients()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (activation checkpointing's recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _eager_under_compile(hook):

@@ -38,6 +38,22 @@ from lightning_shard.simulate.handle import NullEvent, NullStream
 __all__ = ["TORCH_ENGINE", "compare", "stand_in_device_module", "torchtitan_llama_plan"]
 
 
+class _WithoutRng:
+    """The stand-in device's module without its RNG functions, for torch's engine: torch's DTensor draws random
+    values through an offset-based tracker when the device module has ``set_rng_state``, which reads the state's
+    values (a fake world has none); without it, random ops run on each local shard, the same memory."""
+
+    _HIDDEN = frozenset({"get_rng_state", "set_rng_state", "manual_seed"})
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        if name in self._HIDDEN:
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+
 @contextlib.contextmanager
 def stand_in_device_module(device_type: str, device_count: int) -> Iterator[None]:
     """Give torch a ``torch.<device_type>`` module for the block, if it has none (see the module docstring).
@@ -47,8 +63,13 @@ def stand_in_device_module(device_type: str, device_count: int) -> Iterator[None
         with stand_in_device_module("lazy", 8):
             fully_shard(model, mesh=torch_mesh)
     """
-    if getattr(torch, device_type, None) is not None:  # simulated_world registered SimDeviceModule
-        yield
+    existing = getattr(torch, device_type, None)
+    if existing is not None:  # simulated_world registered its SimDeviceModule: hide its RNG from torch's DTensor
+        setattr(torch, device_type, _WithoutRng(existing))
+        try:
+            yield
+        finally:
+            setattr(torch, device_type, existing)
         return
     current = NullStream()
     module = types.ModuleType(f"torch.{device_type}")
@@ -200,6 +221,11 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, request) -> None:
 
     from lightning_shard.fsdp.units import find_repeated_blocks
 
+    if request.activation_checkpointing:
+        raise ValueError(
+            "simulate: --reference torch does not apply activation checkpointing to torch's engine, so the two "
+            "runs would not compare; drop --activation-checkpointing or --reference"
+        )
     if request.tensor_parallel_size > 1:
         plan = torchtitan_llama_plan(model, request.sequence_parallel)
         parallelize_module(model, mesh["tensor_parallel"], plan)

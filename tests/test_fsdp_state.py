@@ -244,3 +244,41 @@ def test_a_step_whose_backward_raised_does_not_break_the_next_steps():
         opt.step()
     assert all(s.unit.current is IDLE for s in model._fsdp_state.all_states)
     assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+class _Redirected(nn.Module):
+    """A root whose ``step`` calls ``self(x)``: Lightning runs ``training_step``/``validation_step`` as the root's
+    forward (its forward redirection), so the root's forward runs inside its own forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.shared(x)))
+
+    def step(self, x, y):
+        return F.mse_loss(self(x), y)
+
+
+@distributed(world_size=2)
+def test_root_called_inside_its_own_forward_as_lightning_redirects_steps():
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    model = _Redirected()
+    ref = copy.deepcopy(model)
+    fully_shard(model.shared, mesh=_dp_mesh())
+    fully_shard(model, mesh=_dp_mesh())
+    redirect = _ForwardRedirection()
+
+    def loss(m, x, y):
+        if m is not model:
+            return m.step(x, y)
+        with torch.no_grad():  # a validation step between training steps
+            torch.testing.assert_close(redirect(m, m, "step", x, y), ref.step(x, y))
+        return redirect(m, m, "step", x, y)
+
+    _train_pairs(model, ref, 3, loss)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5

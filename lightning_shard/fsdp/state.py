@@ -57,6 +57,9 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self.root: FSDPState | None = None
         self.summoned = False  # inside summon_full_params: hooks off, the module runs as a plain module
+        # Calls of this unit's forward inside its own forward (Lightning's forward redirection runs
+        # ``training_step`` as the root's forward, which calls ``self(x)``): the innermost ones only pass through.
+        self.nested_forwards = 0
         self.last_reducing_group: FSDPParamGroup | None = None  # root only: the reduce-scatter in flight
         self._callback_queued = False  # root only: the end-of-backward callback is queued
         # Under torch.compile the hooks run eagerly, as torch's FSDP2 runs its own by default
@@ -99,6 +102,9 @@ class FSDPState:
         if self.summoned:
             return args, kwargs
         self._lazy_init()
+        if self.unit.current is FORWARD:  # a call inside this unit's own forward: the outer call does the work
+            self.nested_forwards += 1
+            return args, kwargs
         if self.is_root and not _in_backward():
             self._root_pre_forward()
         before = self.unit.current
@@ -107,8 +113,6 @@ class FSDPState:
             if self.group is not None:
                 self.group.unshard()
             return self._cast_inputs(args, kwargs)
-        if before is FORWARD and self.group is not None and self.group.is_unsharded:
-            return args, kwargs  # another module of a list group already ran
         if self.root is not None and self not in self.root.forward_order:
             self.root.forward_order.append(self)
         if self.group is not None:
@@ -133,6 +137,7 @@ class FSDPState:
         if any(state.unit.current is not IDLE for state in self.all_states):
             for state in self.all_states:
                 state.unit.on("reset")
+                state.nested_forwards = 0
         for state in self.all_states:  # a forward after a backward that ended early (e.g. an exception)
             if state.group is not None:
                 state.group.finish_reduce()
@@ -154,6 +159,9 @@ class FSDPState:
 
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if self.summoned:
+            return output
+        if self.nested_forwards:  # the inner call returned inside the outer one, which reshards and registers
+            self.nested_forwards -= 1
             return output
         if self.unit.current is PRE_BACKWARD:  # the recomputation (activation checkpointing) returned
             self.unit.on("post_forward")

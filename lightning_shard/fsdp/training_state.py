@@ -9,7 +9,6 @@ an engine bug or a misuse (e.g. a backward hook while the unit's forward has not
 state           event           next state      when, and what the hook does
 ==============  ==============  ==============  ==========================================================
 IDLE            pre_forward     FORWARD         the unit's forward starts: unshard (all-gather), prefetch
-FORWARD         pre_forward     FORWARD         another module of the same list group starts inside it
 PRE_BACKWARD    pre_forward     PRE_BACKWARD    activation checkpointing recomputes the unit in backward:
                                                 it is unsharded already, nothing to do
 FORWARD         post_forward    IDLE            forward returned: reshard (outside backward, per
@@ -27,6 +26,10 @@ FORWARD         end_backward    FORWARD         a backward inside the unit's for
                                                 in forward): the forward goes on, the unit is left alone
 any             reset           IDLE            the root's next forward after a step that raised midway
 ==============  ==============  ==============  ==========================================================
+
+A call of the unit's forward inside its own forward (Lightning runs ``training_step`` as the root's forward,
+and it calls ``self(x)``; a module of a list group called inside another) is not an event: it passes through
+(``FSDPState.nested_forwards`` counts it) and the outer call's hooks do the work.
 
 Not in the table, hence errors: ``post_forward`` without a ``pre_forward`` (IDLE, POST_BACKWARD), any
 backward event while the unit's forward runs (FORWARD), and a forward of a unit whose backward is done
@@ -75,7 +78,6 @@ EVENTS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "end_b
 
 TRANSITIONS: dict[tuple[TrainingState, str], TrainingState] = {
     (IDLE, "pre_forward"): FORWARD,
-    (FORWARD, "pre_forward"): FORWARD,
     (PRE_BACKWARD, "pre_forward"): PRE_BACKWARD,
     (FORWARD, "post_forward"): IDLE,
     (PRE_BACKWARD, "post_forward"): PRE_BACKWARD,

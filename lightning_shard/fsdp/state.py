@@ -57,18 +57,22 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self.root: FSDPState | None = None
         self.summoned = False  # inside summon_full_params: hooks off, the module runs as a plain module
-        # Calls of this unit's forward inside its own forward (Lightning's forward redirection runs
-        # ``training_step`` as the root's forward, which calls ``self(x)``): the innermost ones only pass through.
-        self.nested_forwards = 0
+        # Calls of this unit's modules now running (a pair of hooks around each call, the exit one also when the
+        # forward raises). Above 1 in FORWARD, a call runs inside the unit's own forward (Lightning's forward
+        # redirection runs ``training_step`` as the root's forward, which calls ``self(x)``): it passes through.
+        self.calls_running = 0
         self.last_reducing_group: FSDPParamGroup | None = None  # root only: the reduce-scatter in flight
         self._callback_queued = False  # root only: the end-of-backward callback is queued
         # Under torch.compile the hooks run eagerly, as torch's FSDP2 runs its own by default
         # (torch._dynamo.config.skip_fsdp_hooks): they all-gather, free and swap parameters, which no graph holds.
         # A compiled model breaks its graph at each FSDP unit's boundary; a unit's forward itself compiles.
         pre_forward, post_forward = _eager_under_compile(self._pre_forward), _eager_under_compile(self._post_forward)
+        enter, leave = _eager_under_compile(self._enter_call), _eager_under_compile(self._leave_call)
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_pre_hook(enter, prepend=True)  # first of all
             module.register_forward_hook(post_forward, prepend=False)
+            module.register_forward_hook(leave, always_call=True)  # last, and also after an exception
 
     @property
     def training_state(self) -> TrainingState:
@@ -98,12 +102,21 @@ class FSDPState:
                         state.root = self
 
     # ------------------------------------------------------------------ forward
+    def _enter_call(self, module: nn.Module, args: tuple) -> None:
+        self.calls_running += 1
+
+    def _leave_call(self, module: nn.Module, args: tuple, output) -> None:
+        self.calls_running -= 1
+
+    def _nested_call(self) -> bool:
+        """Whether this call runs inside the same unit's own forward (the outer call's hooks do the work)."""
+        return self.calls_running > 1 and self.unit.current is FORWARD
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.summoned:
             return args, kwargs
         self._lazy_init()
-        if self.unit.current is FORWARD:  # a call inside this unit's own forward: the outer call does the work
-            self.nested_forwards += 1
+        if self._nested_call():
             return args, kwargs
         if self.is_root and not _in_backward():
             self._root_pre_forward()
@@ -137,7 +150,6 @@ class FSDPState:
         if any(state.unit.current is not IDLE for state in self.all_states):
             for state in self.all_states:
                 state.unit.on("reset")
-                state.nested_forwards = 0
         for state in self.all_states:  # a forward after a backward that ended early (e.g. an exception)
             if state.group is not None:
                 state.group.finish_reduce()
@@ -160,8 +172,7 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if self.summoned:
             return output
-        if self.nested_forwards:  # the inner call returned inside the outer one, which reshards and registers
-            self.nested_forwards -= 1
+        if self._nested_call():  # the inner call returned inside the outer one, which reshards and registers
             return output
         if self.unit.current is PRE_BACKWARD:  # the recomputation (activation checkpointing) returned
             self.unit.on("post_forward")

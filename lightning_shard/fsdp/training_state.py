@@ -29,7 +29,8 @@ any             reset           IDLE            the root's next forward after a 
 
 A call of the unit's forward inside its own forward (Lightning runs ``training_step`` as the root's forward,
 and it calls ``self(x)``; a module of a list group called inside another) is not an event: it passes through
-(``FSDPState.nested_forwards`` counts it) and the outer call's hooks do the work.
+and the outer call's hooks do the work (``FSDPState.calls_running`` tells it apart from a forward that an
+exception left unfinished).
 
 Not in the table, hence errors: ``post_forward`` without a ``pre_forward`` (IDLE, POST_BACKWARD), any
 backward event while the unit's forward runs (FORWARD), and a forward of a unit whose backward is done

@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
         if trainer.is_global_zero:
             from lightning_shard.checkpoint import consolidate
 
-            consolidate(sharded, full)  # = python -m lightning_shard.checkpoint.consolidate IN OUT
+            # = python -m lightning_shard.checkpoint.consolidate IN OUT --overwrite (reruns replace the output)
+            consolidate(sharded, full, overwrite=True)
             acc = check_consolidated(full, val_loader)
             print(f"sharded checkpoint: {sharded}/ -> consolidated {full}: accuracy on one process {acc:.3f}")
             result["acc_consolidated"] = acc

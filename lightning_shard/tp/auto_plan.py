@@ -295,7 +295,7 @@ def _sequence_parallel_choice(value) -> bool:
     raise ValueError(f"auto_tp_plan: sequence_parallel={value!r} must be True, False or 'auto'")
 
 
-def _sequence_parallel_blocker(modules, blocks, attns, mlps, mha) -> str | None:
+def _sequence_parallel_blocker(blocks: list[str], attns: dict, mlps: dict, mha: list[str]) -> str | None:
     """Why the blocks' structure rules sequence parallel out, or None."""
     if mha:
         return f"nn.MultiheadAttention at {mha[0]} needs a replicated input"
@@ -469,7 +469,7 @@ def auto_tp_plan(
     # ---- can sequence parallel run?
     sp = _sequence_parallel_choice(sequence_parallel)
     if sp:
-        why = _sequence_parallel_blocker(modules, blocks, attns, mlps, mha)
+        why = _sequence_parallel_blocker(blocks, attns, mlps, mha)
         hf = _hugging_face_model(modules, blocks[0]) if blocks and why is None else None
         if why is None and hf is not None:
             if sequence_parallel is True:

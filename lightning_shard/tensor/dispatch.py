@@ -109,17 +109,6 @@ def _decide_and_run(func, args: tuple, kwargs: dict, key, dtensors: list):
     return decision.run(func, args, kwargs, dtensors)
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_dense(shape, stride) -> bool:
-    """Whether ``stride`` lays ``shape`` out densely (a permutation of contiguous strides)."""
-    expected = 1
-    for size, st in sorted(zip(shape, stride), key=lambda d: d[1]):
-        if size != 1 and st != expected:
-            return False
-        expected *= size
-    return True
-
-
 _OUT_OF_PLACE, _IN_PLACE = 1, 2
 
 
@@ -154,7 +143,7 @@ def _same_layout_pointwise(func, args: tuple, kwargs: dict):
             s = a._spec
             if spec is None:
                 spec = s
-                if s.has_partial() or not _is_dense(s.shape, s.stride):
+                if s.has_partial() or not s.is_dense:
                     return None  # a non-dense input (expanded, sliced) gets a differently strided output
             elif s is not spec and (
                 s.placements != spec.placements

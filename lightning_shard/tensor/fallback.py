@@ -178,15 +178,6 @@ def _replicated_local(t: DTensor, *, dense: bool) -> torch.Tensor:
     return local
 
 
-def _is_dense(spec: DTensorSpec) -> bool:
-    expected = 1
-    for size, st in sorted(zip(spec.shape, spec.stride), key=lambda d: d[1]):
-        if size != 1 and st != expected:
-            return False
-        expected *= size
-    return True
-
-
 def run_fallback(func, args: tuple, kwargs: dict):
     """Compute ``func`` on replicated inputs; write mutated DTensor arguments back; wrap outputs as Replicate.
     Counted in ``fallback_counts()`` and subject to the fallback policy."""
@@ -207,7 +198,7 @@ def run_replicated(func, args: tuple, kwargs: dict, *, count: bool = False):
         if not isinstance(m, DTensor):
             raise not_exact(func, "it writes into a plain tensor argument mixed with DTensors")
     storage_op = func._schema.name.split("::")[-1] in _STORAGE_OPS
-    if storage_op and not all(_is_dense(t._spec) for t in dtensors):
+    if storage_op and not all(t._spec.is_dense for t in dtensors):
         raise not_exact(func, "it addresses storage and a DTensor argument is not dense")
     if count:
         record(func)

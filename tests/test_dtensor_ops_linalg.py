@@ -6,36 +6,21 @@ fallback; same-shape operands keep the batch shard."""
 import torch
 
 from lightning_shard import init_device_mesh
-from lightning_shard.tensor import Replicate, Shard, distribute_tensor, fallback_policy
+from lightning_shard.tensor import Replicate, Shard
+from tests.dtensor_rule_cases import check_rules_match_plain, data
 from tests.harness import distributed
 
 la = torch.linalg
 
 
-def _data(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _values(x):
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
-def _same(got, want, name):
-    if isinstance(want, (tuple, list)):
-        for g, w in zip(got, want):
-            _same(g, w, name)
-        return
-    torch.testing.assert_close(_values(got), want, rtol=1e-4, atol=1e-4, msg=name)
-
-
 def _cases():
-    a = _data(5, 4, 4) + 4 * torch.eye(4)  # well conditioned
-    b = _data(5, 4, 3, seed=1)
+    a = data(5, 4, 4) + 4 * torch.eye(4)  # well conditioned
+    b = data(5, 4, 3, seed=1)
     spd = a @ a.mT + torch.eye(4)
     tri = torch.triu(a)
     lu, piv = la.lu_factor(a)
     ld, ldpiv = la.ldl_factor(spd)
-    qr, tau = torch.geqrf(_data(5, 4, 3, seed=2))
+    qr, tau = torch.geqrf(data(5, 4, 3, seed=2))
     return [
         # (name, fn, tensor inputs, output keeps Shard(0))
         ("eig", lambda x: la.eigvals(x), [a], True),
@@ -51,7 +36,7 @@ def _cases():
         ("cholesky_solve", lambda y, x: torch.cholesky_solve(y, x), [b, la.cholesky(spd)], True),
         ("triangular_solve", lambda y, x: torch.triangular_solve(y, x), [b, tri], True),
         ("householder_product", lambda x, t: la.householder_product(x, t), [qr, tau], True),
-        ("ormqr", lambda x, t, y: torch.ormqr(x, t, y), [qr, tau, _data(5, 4, 2, seed=3)], True),
+        ("ormqr", lambda x, t, y: torch.ormqr(x, t, y), [qr, tau, data(5, 4, 2, seed=3)], True),
         ("lu_solve", lambda x, p, y: la.lu_solve(x, p, y), [lu, piv, b], True),
         ("ldl_solve", lambda x, p, y: la.ldl_solve(x, p, y), [ld, ldpiv, b], True),
         ("lu_unpack", lambda x, p: torch.lu_unpack(x, p), [lu, piv], True),
@@ -60,14 +45,5 @@ def _cases():
 
 @distributed(world_size=2)
 def test_batched_matrix_ops_match_plain_and_keep_batch_shards():
-    mesh = init_device_mesh("cpu", (2,))
-    for name, fn, inputs, keeps in _cases():
-        want = fn(*inputs)
-        for placement in (Shard(0), Replicate()):
-            args = [distribute_tensor(t, mesh, [placement]) for t in inputs]
-            with fallback_policy("error"):
-                got = fn(*args)
-            _same(got, want, name)
-            first = got[0] if isinstance(got, tuple) else got
-            expected = Shard(0) if placement == Shard(0) and keeps else Replicate()
-            assert first.placements == (expected,), (name, placement, first.placements)
+    cases = [(name, fn, inputs, Shard(0) if keeps else Replicate()) for name, fn, inputs, keeps in _cases()]
+    check_rules_match_plain(init_device_mesh("cpu", (2,)), cases)

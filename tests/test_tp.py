@@ -50,7 +50,7 @@ MODELS = {
     "gpt2": (tp_models.GPT2, _lm_loss),
     "demo": (tp_models.demo_transformer, _demo_loss),
     "bert": (tp_models.Bert, _cls_loss),
-    "compact": (tp_models.CompactGPT, _lm_loss),
+    "compact": (tp_models.compact_gpt, _lm_loss),
 }
 
 
@@ -118,7 +118,7 @@ def test_auto_plan_compact_block_matches_single_process():
     plainly), so each column-parallel Linear converts its own input, and the MLP beside the attention is
     still sharded; sequence parallel stays off (it needs the attention's input prepared)."""
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
-    plan, summary = auto_tp_plan(tp_models.CompactGPT(), tp_mesh, sequence_parallel="auto", return_summary=True)
+    plan, summary = auto_tp_plan(tp_models.compact_gpt(), tp_mesh, sequence_parallel="auto", return_summary=True)
     assert "blocks.0.up" in plan and "blocks.0.down" in plan and "blocks.0" not in plan, sorted(plan)
     assert summary[0].startswith("sequence_parallel: off (attention blocks.0 shares its module"), summary[0]
     for sp in (False, "auto"):

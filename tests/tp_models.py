@@ -123,41 +123,12 @@ class LlamaWithPositionTable(Llama):
         return self.output(self.norm(x))
 
 
-class CompactBlock(nn.Module):
-    """A whole block as one module (as in benchmarks/fsdp_vs_torch.py): norms, fused qkv, output projection and
-    the MLP's Linears are all direct children."""
+def compact_gpt(vocab=101, dim=32, n_layers=2, heads=4, max_len=16):
+    """The benchmarks' GPT (benchmarks/fsdp_vs_torch.py): each block is one module whose norms, fused qkv,
+    output projection and MLP Linears are all direct children."""
+    from benchmarks.fsdp_vs_torch import GPT
 
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class CompactGPT(nn.Module):
-    def __init__(self, vocab=101, dim=32, n_layers=2, heads=4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(CompactBlock(dim, heads) for _ in range(n_layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+    return GPT(vocab, dim, n_layers, heads, max_len)
 
 
 # ----------------------------------------------------------------------------- GPT-2

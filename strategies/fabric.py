@@ -65,6 +65,7 @@ from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
 from strategies import loading, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
+from strategies.input_checks import check_first_forwards
 from strategies.strategy import (
     META_FILE,
     ShardFSDPTPStrategy,
@@ -245,6 +246,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             parallelize.materialize(module, self.root_device)
         else:
             self.engine._parallelize(module)
+        check_first_forwards(module, self.engine.device_mesh)  # the ranks of a TP group must see the same inputs
         module._shard_fsdp_tp_done = True
         return module
 

@@ -60,6 +60,7 @@ from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from numba_kernels import warm_kernels
 from strategies import loading, parallelize
 from strategies.compile import compile_fsdp_units
+from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -194,6 +195,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.parallel_summary: dict = {}
         self.planner_table: str | None = None  # the planner's table when tensor_parallel_size="auto"
+        self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -476,6 +478,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # The LightningModule is the root FSDP module, but Lightning calls training_step, not forward: route each
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
+        self._first_batch_check(self._device_mesh, "training", args, kwargs)
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out
@@ -496,14 +499,17 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return loss_parallel()
 
     def validation_step(self, *args: Any, **kwargs: Any):
+        self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         with self.precision_plugin.val_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
+        self._first_batch_check(self._device_mesh, "test", args, kwargs)
         with self.precision_plugin.test_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
+        self._first_batch_check(self._device_mesh, "predict", args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 

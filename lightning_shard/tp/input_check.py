@@ -1,0 +1,119 @@
+"""The ranks of one tensor-parallel group must feed the model the same inputs: a check that says when they do not.
+
+Tensor parallelism splits the *weights* over the ranks of a TP group; every rank of the group computes on the
+same (replicated) input. If the ranks are given different batches -- a sampler or an iterable dataset split by
+the global rank instead of the data-parallel rank, random augmentation seeded per rank -- each rank computes a
+piece of a different sample, the collectives sum pieces that do not belong together, and training goes on
+with wrong gradients and no error. :func:`check_same_inputs` compares a fingerprint of every tensor in a batch
+(shape, dtype and a hash of its bytes) across the group and raises on every rank when they differ.
+
+Only tensors take part (strings and other objects in a batch may legitimately differ, e.g. a worker id).
+Tensors without data (meta, fake) and DTensors (already distributed) are compared by shape and dtype only.
+
+Example::
+
+    check_same_inputs(batch, mesh["tensor_parallel"].get_group(), what="training batch 0")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_shard import comm
+from lightning_shard.device import has_data
+from lightning_shard.tensor import DTensor
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash is a dependency
+    xxhash = None
+
+__all__ = ["TPInputMismatchError", "check_same_inputs", "input_fingerprint"]
+
+_MAX_DEPTH = 8  # nested containers deeper than this are not searched (batches are shallow)
+
+
+class TPInputMismatchError(ValueError):
+    """The ranks of one tensor-parallel group were given different inputs (raised on every rank of the group)."""
+
+
+def input_fingerprint(obj: Any) -> list[tuple]:
+    """``(path, shape, dtype, digest)`` for every tensor in ``obj`` (nested dicts, lists, tuples, dataclasses).
+
+    Example::
+
+        input_fingerprint({"ids": torch.zeros(2, 3, dtype=torch.long)})
+        # [("['ids']", (2, 3), 'torch.int64', '...')]
+    """
+    leaves: list[tuple] = []
+    _collect(obj, "batch", leaves, 0)
+    return leaves
+
+
+def check_same_inputs(obj: Any, group: dist.ProcessGroup, *, what: str = "inputs") -> None:
+    """Raise :class:`TPInputMismatchError` on every rank of ``group`` unless all of them hold the same tensors in
+    ``obj``. One small all-gather of fingerprints; every rank of ``group`` must call it.
+
+    Example: ``check_same_inputs(batch, tp_mesh.get_group(), what="training batch 0")``.
+    """
+    mine = input_fingerprint(obj)
+    everyone = comm.all_gather_objects(mine, group=group)
+    first = everyone[0]
+    for group_rank, theirs in enumerate(everyone):
+        if theirs != first:
+            raise TPInputMismatchError(_mismatch_message(what, group, first, theirs, group_rank))
+
+
+def _collect(obj: Any, path: str, out: list[tuple], depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(obj, torch.Tensor):
+        out.append((path, tuple(obj.shape), str(obj.dtype), _digest(obj)))
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect(value, f"{path}[{key!r}]", out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _collect(value, f"{path}[{i}]", out, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            _collect(getattr(obj, field.name), f"{path}.{field.name}", out, depth + 1)
+
+
+def _digest(tensor: torch.Tensor) -> str | None:
+    """A hash of the tensor's bytes; ``None`` where there are no bytes to read (meta, fake, DTensor, sparse)."""
+    if isinstance(tensor, DTensor) or not has_data(tensor) or tensor.layout != torch.strided:
+        return None
+    data = tensor.detach()
+    if data.device.type != "cpu":  # a batch is small; one copy to the host for the check
+        data = data.cpu()
+    raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_hexdigest(raw) if xxhash is not None else f"{zlib.crc32(raw):08x}"
+
+
+def _mismatch_message(what: str, group: dist.ProcessGroup, first: list, theirs: list, group_rank: int) -> str:
+    ranks = dist.get_process_group_ranks(group)
+    other = ranks[group_rank]
+    detail = f"{len(first)} vs {len(theirs)} tensors"
+    for a, b in zip(first, theirs):
+        if a != b:
+            same_layout = a[1:3] == b[1:3]
+            detail = (
+                f"{a[0]}: same shape {a[1]} and dtype, different values"
+                if same_layout and a[0] == b[0]
+                else f"{a[0]} {a[1]} {a[2]} on rank {ranks[0]} vs {b[0]} {b[1]} {b[2]} on rank {other}"
+            )
+            break
+    return (
+        f"tensor parallelism: the ranks {ranks} of one tensor-parallel group got different {what} (rank {ranks[0]} "
+        f"vs rank {other}: {detail}). TP ranks compute pieces of the same samples, so they must see the same "
+        "batch: split the data by the data-parallel rank (Lightning's distributed sampler does; with your own "
+        "sampler or iterable dataset use the strategy's `distributed_sampler_kwargs`), not the global rank, and "
+        "seed any random augmentation the same on the ranks of a TP group"
+    )

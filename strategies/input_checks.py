@@ -1,0 +1,80 @@
+"""When the strategy checks that the ranks of a tensor-parallel group see the same batch.
+
+Different batches on the ranks of one TP group train wrong with no error (see
+``lightning_shard.tp.input_check``). Checking every batch would cost a hash and a collective per step (and a
+device-to-host copy of the batch on GPUs), so the strategy checks the first batch of every epoch of each loop
+(``batch_idx == 0``): that catches a sampler or dataset split by the global rank, and augmentation seeded
+per rank, from the first step. Fabric has no batch index: its module checks its first forward in training
+mode and its first in eval mode.
+
+Example::
+
+    check = FirstBatchCheck()
+    check(mesh, "training", (batch, 0), {})     # checks; (batch, 1) would not
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_shard.mesh import DeviceMesh
+from lightning_shard.tp.input_check import check_same_inputs
+
+__all__ = ["FirstBatchCheck", "check_first_forwards"]
+
+
+def _tp_group(mesh: DeviceMesh | None):
+    """The TP process group, or ``None`` when there is no TP (nothing to check)."""
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh.size("tensor_parallel") == 1:
+        return None
+    return mesh.get_group("tensor_parallel")
+
+
+class FirstBatchCheck:
+    """Checks the batch of a ``*_step(batch, batch_idx, ...)`` call when ``batch_idx == 0`` (or, for steps
+    called without an index, the first call of each loop). Every rank of a TP group makes the same calls, so
+    they all reach the collective together.
+
+    Example: ``FirstBatchCheck()(strategy.device_mesh, "validation", (batch, 0), {})``.
+    """
+
+    def __init__(self) -> None:
+        self._loops_seen: set[str] = set()
+
+    def __call__(self, mesh: DeviceMesh | None, loop: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        group = _tp_group(mesh)
+        if group is None:
+            return
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        if isinstance(batch_idx, int):
+            if batch_idx != 0:
+                return
+        elif loop in self._loops_seen:
+            return
+        self._loops_seen.add(loop)
+        batch = args[0] if args else kwargs.get("batch")
+        check_same_inputs(batch, group, what=f"{loop} batches (batch_idx {batch_idx})")
+
+
+def check_first_forwards(module: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Fabric: check the inputs of ``module``'s first forward in training mode and its first in eval mode.
+
+    Example: ``check_first_forwards(model, strategy.device_mesh)`` after sharding ``model``.
+    """
+    group = _tp_group(mesh)
+    if group is None:
+        return
+    modes_seen: set[bool] = set()
+
+    def pre_forward(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if mod.training in modes_seen:
+            return
+        modes_seen.add(mod.training)
+        mode = "training" if mod.training else "eval"
+        check_same_inputs((args, kwargs), group, what=f"inputs to the first forward in {mode} mode")
+        if len(modes_seen) == 2:
+            handle.remove()
+
+    handle = module.register_forward_pre_hook(pre_forward, with_kwargs=True)

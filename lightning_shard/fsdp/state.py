@@ -62,6 +62,9 @@ class FSDPState:
         # redirection runs ``training_step`` as the root's forward, which calls ``self(x)``): it passes through.
         self.calls_running = 0
         self.last_reducing_group: FSDPParamGroup | None = None  # root only: the reduce-scatter in flight
+        # After a backward inside this unit's forward resharded it: hooks on the modules holding its parameters
+        # that gather them again at their next call in the same forward (``_reshard_inside_forward``).
+        self._regather_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback_queued = False  # root only: the end-of-backward callback is queued
         # Under torch.compile the hooks run eagerly, as torch's FSDP2 runs its own by default
         # (torch._dynamo.config.skip_fsdp_hooks): they all-gather, free and swap parameters, which no graph holds.
@@ -179,6 +182,7 @@ class FSDPState:
             return self._cast_output(output)
         if self.is_root:
             self._drop_unused_prefetches()
+        self._remove_regather_hooks()
         grad = torch.is_grad_enabled()
         # The root's parameters would be all-gathered again right away for backward: keep them (as torch does).
         # Without grad no backward comes, so always free them.
@@ -255,7 +259,8 @@ class FSDPState:
         self._callback_queued = False
         self.last_reducing_group = None
         for state in self.all_states:
-            if state.unit.current is FORWARD:  # this backward ran inside the unit's forward: leave it be
+            if state.unit.current is FORWARD:  # this backward ran inside the unit's forward, which goes on
+                state._reshard_inside_forward()
                 state.unit.on("end_backward")
                 continue
             group = state.group
@@ -271,6 +276,39 @@ class FSDPState:
         for state in self.all_states:
             if state.group is not None:
                 state.group.wait_for_gradients()
+
+    def _reshard_inside_forward(self) -> None:
+        """End of a backward that ran inside this unit's forward, which goes on afterwards.
+
+        Lightning's manual optimization does this: ``training_step`` runs as the root's forward (forward
+        redirection) and calls ``manual_backward(loss)`` and ``optimizer.step()`` inside it. No pre- or
+        post-backward hook fired for the unit (its forward has not returned), yet the backward left gradients
+        on its unsharded parameters: reduce them into the sharded ``.grad`` now, before the optimizer reads
+        them, and reshard, so that the step's update is what the forward's next use of these parameters
+        gathers (hooks on the modules that hold them; a use outside those modules' calls meets the sharded
+        DTensor and raises). Left as it is when the backward gave its parameters no gradient (e.g.
+        ``torch.autograd.grad`` inside forward): the forward goes on with the same parameters.
+        """
+        group = self.group
+        if group is None or not group.is_unsharded or all(fp.unsharded_grad() is None for fp in group.params):
+            return
+        group.post_backward()
+        group.finish_reduce()
+        group.reshard()
+        owners = {id(module): module for fp in group.params for module, _ in fp.refs}
+        self._remove_regather_hooks()
+        self._regather_hooks = [m.register_forward_pre_hook(self._regather) for m in owners.values()]
+
+    def _regather(self, module: nn.Module, args: tuple) -> None:
+        """A module holding this unit's parameters is called again inside the unit's forward: all-gather them."""
+        self._remove_regather_hooks()
+        if self.unit.current is FORWARD and self.group is not None:
+            self.group.unshard()
+
+    def _remove_regather_hooks(self) -> None:
+        for handle in self._regather_hooks:
+            handle.remove()
+        self._regather_hooks = []
 
 
 def _in_backward() -> bool:

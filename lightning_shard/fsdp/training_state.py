@@ -22,8 +22,12 @@ IDLE            post_backward   POST_BACKWARD   end of backward, unit still unsh
                                                 gradient reached it (root's catch-up; nothing to reduce)
 POST_BACKWARD   post_backward   POST_BACKWARD   a second input path of the same call (nothing left)
 not FORWARD     end_backward    IDLE            the root's final callback: every reduce finished
-FORWARD         end_backward    FORWARD         a backward inside the unit's forward (``torch.autograd.grad``
-                                                in forward): the forward goes on, the unit is left alone
+FORWARD         end_backward    FORWARD         a backward inside the unit's forward: the forward goes on.
+                                                With gradients on its parameters (Lightning's manual
+                                                optimization: ``manual_backward`` inside ``training_step``)
+                                                they are reduced and the unit resharded, gathered again at
+                                                the next call of a module holding them; without
+                                                (``torch.autograd.grad`` in forward) it is left alone
 any             reset           IDLE            the root's next forward after a step that raised midway
 ==============  ==============  ==============  ==========================================================
 

@@ -113,3 +113,23 @@ def test_clip_grad_norm_2d_and_two_meshes():
     # A Partial on one mesh dim: reduced first (+1), then counted with the tensor_parallel group.
     _check(layout + [((6, 4), mesh, [Partial(), Shard(0)])], 2.0, 0.4, expected_all_reduces=4)
     _check(layout[:1] + [((6, 4), mesh, [Partial(), Shard(0)])], math.inf, 0.4, expected_all_reduces=3)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@distributed(world_size=2)
+def test_torch_clip_grad_norm_on_our_dtensors_matches_full_gradients(norm_type):
+    """Users call ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` themselves (manual optimization,
+    ``on_before_optimizer_step``): on our sharded gradients it must clip as on the full ones."""
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g), torch.randn(2, 2, generator=g)]
+    layouts = [[Shard(0)], [Replicate()], [Shard(1)]]
+    ours = [_param(f, mesh, pl) for f, pl in zip(fulls, layouts)]
+    ref = [_param(f) for f in fulls]
+    max_norm = 0.5 * float(torch.nn.utils.clip_grad_norm_(ref, math.inf, norm_type=norm_type))
+    ref_total = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type=norm_type)
+    total = torch.nn.utils.clip_grad_norm_(ours, max_norm, norm_type=norm_type)
+    total = total.full_tensor() if isinstance(total, DTensor) else total
+    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-5)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(_full_grad(p), r.grad, rtol=1e-5, atol=1e-6)

@@ -57,6 +57,7 @@ from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
+from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
 from strategies import loading, parallelize
 from strategies.compile import compile_fsdp_units
@@ -398,6 +399,19 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.planner_table = table
         return tp
 
+    def _sync_tp_rng_states(self) -> None:
+        """The ranks of a TP group draw the same random numbers (dropout on replicated activations): their
+        generators take TP rank 0's state where they differ (e.g. ``seed_everything(seed + rank)``)."""
+        mesh = self.device_mesh
+        if mesh.size("tensor_parallel") == 1:
+            return
+        if sync_rng_states(mesh.get_group("tensor_parallel"), self.root_device):
+            rank_zero_info(
+                "shard_fsdp_tp: the random number generators differed across the ranks of a tensor-parallel group "
+                "(seeded per rank?); each now uses its TP group's first rank's state, so dropout draws the same "
+                "mask for the replicated activations. Seed by the data-parallel rank to keep per-replica streams"
+            )
+
     def _fsdp_mesh(self) -> DeviceMesh:
         mesh = self.device_mesh
         if "replicate" in mesh.mesh_dim_names:
@@ -453,6 +467,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         parallelize.materialize(model, self.root_device)
         _move_buffers(model, self.root_device)
         parallelize.check_no_drift(model)
+        self._sync_tp_rng_states()
         if self.compile_fsdp_units:
             options = self.compile_fsdp_units if isinstance(self.compile_fsdp_units, dict) else None
             summary["compiled_units"] = compile_fsdp_units(model, options)

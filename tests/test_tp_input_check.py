@@ -16,7 +16,7 @@ from tests.harness import distributed
 from tests.lightning_models import VOCAB, LitGPT, dataset
 
 
-def _trainer(max_steps: int = 2) -> L.Trainer:
+def _trainer(max_steps: int = 2, use_distributed_sampler: bool = False) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -28,7 +28,7 @@ def _trainer(max_steps: int = 2) -> L.Trainer:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        use_distributed_sampler=False,
+        use_distributed_sampler=use_distributed_sampler,
     )
 
 
@@ -84,3 +84,34 @@ def test_fingerprint_tells_values_shapes_and_dtypes_apart_and_ignores_non_tensor
     assert base != input_fingerprint({"ids": ids.int(), "name": "rank 0"})
     bf16 = torch.ones(2, dtype=torch.bfloat16)
     assert input_fingerprint([bf16]) != input_fingerprint([bf16 * 2])
+
+
+@distributed(world_size=2)
+def test_generators_seeded_per_rank_are_synced_so_replicated_weights_stay_equal():
+    """GPT-2 with dropout on its (TP-replicated) embeddings and residuals, each rank seeded differently in
+    ``setup``: unless the TP group's generators agree, the replicated activations, hence the replicated weights'
+    gradients, part ways across the ranks."""
+    from torch import nn
+
+    from lightning_shard.tensor import Replicate
+    from tests import hf_models
+
+    lit = hf_models.lit_hf("gpt2")
+    for module in lit.model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.2
+    lit.setup = lambda stage: torch.manual_seed(100 + dist.get_rank())
+    _trainer(max_steps=3, use_distributed_sampler=True).fit(lit)
+
+    def tp_replicated(p) -> bool:  # data-parallel size 1: the local tensor of the FSDP shard is whole
+        names = p.device_mesh.mesh_dim_names
+        return "tensor_parallel" not in names or isinstance(p.placements[names.index("tensor_parallel")], Replicate)
+
+    replicated = {name: p.to_local() for name, p in lit.model.named_parameters() if tp_replicated(p)}
+    assert "transformer.ln_f.weight" in replicated
+    moved = (replicated["transformer.ln_f.weight"] - 1).abs().max().item()
+    assert moved > 0  # trained, so equal copies mean something
+    theirs = [None, None]
+    dist.all_gather_object(theirs, {k: v.clone() for k, v in replicated.items()})
+    worst = {k: (theirs[0][k] - theirs[1][k]).abs().max().item() for k in replicated}
+    assert max(worst.values()) == 0, {k: v for k, v in worst.items() if v}

@@ -10,6 +10,11 @@ with wrong gradients and no error. :func:`check_same_inputs` compares a fingerpr
 Only tensors take part (strings and other objects in a batch may legitimately differ, e.g. a worker id).
 Tensors without data (meta, fake) and DTensors (already distributed) are compared by shape and dtype only.
 
+The random number generators are inputs too: dropout on a replicated activation (GPT-2's residual and
+embedding dropout) must draw the same mask on every rank of the group, or the replicated copies part ways.
+:func:`sync_rng_states` makes the group's generator states equal (group rank 0's) where they differ, e.g.
+after ``seed_everything(seed + rank)``.
+
 Example::
 
     check_same_inputs(batch, mesh["tensor_parallel"].get_group(), what="training batch 0")
@@ -34,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - xxhash is a dependency
     xxhash = None
 
-__all__ = ["TPInputMismatchError", "check_same_inputs", "input_fingerprint"]
+__all__ = ["TPInputMismatchError", "check_same_inputs", "input_fingerprint", "sync_rng_states"]
 
 _MAX_DEPTH = 8  # nested containers deeper than this are not searched (batches are shallow)
 
@@ -68,6 +73,27 @@ def check_same_inputs(obj: Any, group: dist.ProcessGroup, *, what: str = "inputs
     for group_rank, theirs in enumerate(everyone):
         if theirs != first:
             raise TPInputMismatchError(_mismatch_message(what, group, first, theirs, group_rank))
+
+
+def sync_rng_states(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Give every rank of ``group`` the random-number-generator states of its first rank (the CPU generator,
+    and ``device``'s when it is a CUDA device); returns whether they differed. Every rank of ``group`` must
+    call it (one small all-gather, and a broadcast only when the states differ).
+
+    Example: ``sync_rng_states(tp_mesh.get_group(), torch.device("cuda", local_rank))``.
+    """
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    digests = [_digest(state) for state in states]
+    if all(theirs == digests for theirs in comm.all_gather_objects(digests, group=group)):
+        return False
+    first = dist.get_process_group_ranks(group)[0]
+    states = comm.broadcast_object(states if dist.get_rank() == first else None, src=first, group=group)
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+    return True
 
 
 def _collect(obj: Any, path: str, out: list[tuple], depth: int) -> None:

@@ -34,6 +34,26 @@ def is_sharded_checkpoint(path: Any) -> bool:
     return (Path(path) / MARKER).is_file() or (Path(path) / ".metadata").is_file()
 
 
+def model_entry(entries: set[str], path: str | os.PathLike) -> str:
+    """The top-level entry holding the LightningModule's weights in a sharded directory with these ``entries``.
+
+    ``"state_dict"`` in ours and in Lightning's ``ModelParallelStrategy`` directories; ``"model"`` in Lightning's
+    ``FSDPStrategy(state_dict_type="sharded")`` directories (torch's FSDP1: the weights under "model", the
+    optimizers' sharded state under "optimizer_{i}", keyed by parameter name as ours are).
+
+    Example: ``model_entry({"model", "optimizer_0"}, "ckpt") == "model"``.
+    """
+    if "state_dict" in entries:
+        return "state_dict"
+    if "model" in entries:
+        return "model"
+    raise ValueError(
+        f"shard_fsdp_tp: {path} holds no model weights for a LightningModule: its entries are {sorted(entries)}, "
+        "expected 'state_dict' (this strategy, ModelParallelStrategy) or 'model' (FSDPStrategy with "
+        "state_dict_type='sharded'); load it with lightning_shard.checkpoint.load and your own state structure"
+    )
+
+
 def load_full_file(path: str | os.PathLike, *, weights_only: bool = True) -> Any:
     """``torch.load`` of a full checkpoint file onto the host, memory-mapped where the format allows.
 

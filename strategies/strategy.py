@@ -588,8 +588,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return checkpoint
 
     def _load_sharded(self, path: Path, optimizers: list, strict: bool) -> dict[str, Any]:
-        state = {"state_dict": get_model_state_dict(self.model)}
         saved = _top_level_entries(path)
+        state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
@@ -674,14 +674,17 @@ def _write_atomically(obj: dict[str, Any], path: Path, who: str) -> None:
 def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
     """Lightning's non-tensor checkpoint part (``meta.pt``) of a sharded directory, checked against the checksum
     in our marker when there is one, read with ``weights_only`` (Fabric's ``load(weights_only=...)``)."""
-    from lightning_shard.checkpoint._safe_io import read_marker, verify_file
+    from lightning_shard.checkpoint._safe_io import read_marker, undecodable, verify_file
 
     meta_file = path / META_FILE
     if not meta_file.is_file():
         return {}
     data = meta_file.read_bytes()
     verify_file(str(path), META_FILE, data, read_marker(str(path)))
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # other tools' directories have no checksum: name the file torch's reader refused
+        raise undecodable(str(meta_file), "Lightning's checkpoint state", e) from e
 
 
 def _memory_line(model: nn.Module, summary: dict) -> str:

@@ -2,7 +2,8 @@
 
 Lightning loads checkpoints with ``lightning.fabric.utilities.cloud_io._load``, which only reads files.
 Importing ``strategies`` wraps the name Lightning's ``load_from_checkpoint`` uses so that a directory
-written by this strategy is first consolidated (one tensor at a time, into a temporary file read with
+written by this strategy (or by Lightning's ModelParallelStrategy or ``FSDPStrategy(state_dict_type="sharded")``)
+is first consolidated (one tensor at a time, into a temporary file read with
 ``weights_only=True``) together with its ``meta.pt``; files and URLs go to Lightning's loader unchanged.
 
 Example::
@@ -86,7 +87,11 @@ def _wrap(original):
 
     def pl_load(path_or_url, map_location=None, weights_only=None):
         if is_sharded_checkpoint(path_or_url):
-            return load_sharded_as_full(path_or_url)
+            checkpoint = load_sharded_as_full(path_or_url)
+            # FSDPStrategy(state_dict_type="sharded") keeps the weights under "model"; Lightning reads "state_dict"
+            key = model_entry(set(checkpoint), path_or_url)
+            checkpoint["state_dict"] = checkpoint.pop(key)
+            return checkpoint
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load._shard_fsdp_tp = True

@@ -113,8 +113,11 @@ def test_resume_from_a_lightning_fsdp_sharded_checkpoint(tmp_path):
     files = sorted(os.listdir(path))
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], files  # Lightning's layout, no marker
     if dist.get_rank() == 0:
-        ckpt = _check_consolidated(path, str(tmp_path / "consolidated.pt"), *reference(epochs(1)))
+        after_one = reference(epochs(1))
+        ckpt = _check_consolidated(path, str(tmp_path / "consolidated.pt"), *after_one)
         assert ckpt["global_step"] == 8 and "loops" in ckpt  # meta.pt merged in
+        plain = AdamGPT.load_from_checkpoint(path)  # Lightning's own call, weights under "model"
+        assert _max_diff(_params(plain), after_one[0]) < 1e-6
     dist.barrier()
 
     # resume with ours, one more epoch: equals single-process AdamW over both epochs

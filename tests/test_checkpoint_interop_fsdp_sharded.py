@@ -197,11 +197,12 @@ def _damage(path: str, how: str) -> str:
 
     ``truncate``: rank 1's data file cut in half. ``tensor``: the zip header of a tensor entry only rank 1 reads
     (a row block of the embedding) overwritten, same size. ``value``: the head of rank 1's file (a param-group value
-    both ranks read) overwritten. ``meta``: Lightning's ``meta.pt`` cut in half."""
+    both ranks read) overwritten. ``meta``: Lightning's ``meta.pt`` cut in half. ``metadata``: DCP's ``.metadata``
+    cut in half."""
     from lightning_shard.checkpoint._safe_io import SafeFileSystemReader
 
-    name = os.path.join(path, "meta.pt" if how == "meta" else "__1_0.distcp")
-    if how in ("truncate", "meta"):
+    name = os.path.join(path, {"meta": "meta.pt", "metadata": ".metadata"}.get(how, "__1_0.distcp"))
+    if how in ("truncate", "meta", "metadata"):
         os.truncate(name, os.path.getsize(name) // 2)
         return name
     offset = 0
@@ -229,7 +230,7 @@ def test_a_damaged_foreign_checkpoint_is_named_and_changes_nothing(tmp_path):
     trainer = _trainer(max_steps=2)
     trainer.fit(module)
     before = _snapshot(module, trainer.optimizers)
-    for how in ("truncate", "tensor", "value", "meta"):
+    for how in ("truncate", "tensor", "value", "meta", "metadata"):
         copy = f"{path}-{how}"
         damaged = [shutil.copytree(path, copy) and _damage(copy, how) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(damaged)

@@ -582,7 +582,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         pairs = list(zip(optimizers, optim_states or []))
         for optimizer, optim_state in pairs:  # before the model is touched
             check_optimizer_state_dict(self.model, optimizer, optim_state)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), strict=strict)
+        set_model_state_dict(self.model, checkpoint.pop(loading.model_entry(set(checkpoint), path)), strict=strict)
         for optimizer, optim_state in pairs:
             set_optimizer_state_dict(self.model, optimizer, optim_state)
         return checkpoint

@@ -112,13 +112,26 @@ def test_resume_from_a_lightning_fsdp_sharded_checkpoint(tmp_path):
     _fsdp_run(path)
     files = sorted(os.listdir(path))
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"], files  # Lightning's layout, no marker
+    out = _shared_path(tmp_path, "consolidated.pt")
     if dist.get_rank() == 0:
         after_one = reference(epochs(1))
-        ckpt = _check_consolidated(path, str(tmp_path / "consolidated.pt"), *after_one)
+        ckpt = _check_consolidated(path, out, *after_one)
         assert ckpt["global_step"] == 8 and "loops" in ckpt  # meta.pt merged in
         plain = AdamGPT.load_from_checkpoint(path)  # Lightning's own call, weights under "model"
         assert _max_diff(_params(plain), after_one[0]) < 1e-6
     dist.barrier()
+
+    # the consolidated file (weights under "model", optimizer under "optimizer_0") restores exactly what it holds
+    restored = AdamGPT(lr=0.5)
+    trainer = _trainer(max_epochs=1, max_steps=-1)
+    trainer.fit(restored, ckpt_path=out)
+    saved = torch.load(out, weights_only=True)
+    ours = _params(restored)
+    assert _max_diff(ours, {k: saved["model"][k] for k in ours}) == 0.0
+    mine = _optim_state(restored, trainer.optimizers[0])
+    assert mine.keys() == saved["optimizer_0"]["state"].keys()
+    for fqn, entry in mine.items():
+        assert _max_diff(entry, saved["optimizer_0"]["state"][fqn]) == 0.0, fqn
 
     # resume with ours, one more epoch: equals single-process AdamW over both epochs
     resumed = AdamGPT(lr=0.5)  # the checkpoint's learning rates (LR, LR / 2) must win

@@ -36,7 +36,8 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 
 def model_entry(entries: set[str], path: str | os.PathLike) -> str:
-    """The top-level entry holding the LightningModule's weights in a sharded directory with these ``entries``.
+    """The top-level entry holding the LightningModule's weights in a checkpoint (directory or file) with these
+    top-level ``entries``.
 
     ``"state_dict"`` in ours and in Lightning's ``ModelParallelStrategy`` directories; ``"model"`` in Lightning's
     ``FSDPStrategy(state_dict_type="sharded")`` directories (torch's FSDP1: the weights under "model", the
@@ -51,7 +52,8 @@ def model_entry(entries: set[str], path: str | os.PathLike) -> str:
     raise ValueError(
         f"shard_fsdp_tp: {path} holds no model weights for a LightningModule: its entries are {sorted(entries)}, "
         "expected 'state_dict' (this strategy, ModelParallelStrategy) or 'model' (FSDPStrategy with "
-        "state_dict_type='sharded'); load it with lightning_shard.checkpoint.load and your own state structure"
+        "state_dict_type='sharded'); read it with lightning_shard.checkpoint.load (a directory) or torch.load (a "
+        "file) into your own structure"
     )
 
 

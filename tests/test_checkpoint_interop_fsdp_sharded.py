@@ -257,3 +257,12 @@ def test_a_damaged_foreign_checkpoint_is_named_and_changes_nothing(tmp_path):
     # through the Trainer: the same error on every rank, no rank left waiting
     with pytest.raises(CheckpointCorruptError, match=re.escape(damaged[0])):
         _trainer(max_steps=4).fit(AdamGPT(lr=LR), ckpt_path=copy)
+
+
+def test_the_model_entry_is_found_or_the_entries_are_named():
+    from strategies.loading import model_entry
+
+    assert model_entry({"state_dict", "model", "optimizer_0"}, "ckpt") == "state_dict"  # ours, ModelParallelStrategy
+    assert model_entry({"model", "optimizer_0"}, "ckpt") == "model"  # FSDPStrategy(state_dict_type="sharded")
+    with pytest.raises(ValueError, match=r"ckpt holds no model weights.*\['optimizer_0', 'step'\]"):
+        model_entry({"optimizer_0", "step"}, "ckpt")

@@ -563,7 +563,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         read and verified) before either is modified.
 
         Accepted: our sharded directories, DCP directories of other tools with Lightning's layout
-        (ModelParallelStrategy: "state_dict", "optimizer_{i}", ``meta.pt``), our full files, consolidated files,
+        (ModelParallelStrategy: "state_dict", "optimizer_{i}", ``meta.pt``; FSDPStrategy(state_dict_type="sharded"):
+        the same with "model"), our full files, consolidated files,
         and full checkpoints of other Lightning strategies of the same model (DDP: optimizer state keyed by
         parameter index, matched by parameter order)."""
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -2,7 +2,8 @@
 
 Lightning loads checkpoints with ``lightning.fabric.utilities.cloud_io._load``, which only reads files.
 Importing ``strategies`` wraps the name Lightning's ``load_from_checkpoint`` uses so that a directory
-written by this strategy is first consolidated (one tensor at a time, into a temporary file read with
+written by this strategy (or by Lightning's ModelParallelStrategy or ``FSDPStrategy(state_dict_type="sharded")``)
+is first consolidated (one tensor at a time, into a temporary file read with
 ``weights_only=True``) together with its ``meta.pt``; files and URLs go to Lightning's loader unchanged.
 
 Example::
@@ -32,6 +33,28 @@ def is_sharded_checkpoint(path: Any) -> bool:
     if not isinstance(path, (str, os.PathLike)):
         return False
     return (Path(path) / MARKER).is_file() or (Path(path) / ".metadata").is_file()
+
+
+def model_entry(entries: set[str], path: str | os.PathLike) -> str:
+    """The top-level entry holding the LightningModule's weights in a checkpoint (directory or file) with these
+    top-level ``entries``.
+
+    ``"state_dict"`` in ours and in Lightning's ``ModelParallelStrategy`` directories; ``"model"`` in Lightning's
+    ``FSDPStrategy(state_dict_type="sharded")`` directories (torch's FSDP1: the weights under "model", the
+    optimizers' sharded state under "optimizer_{i}", keyed by parameter name as ours are).
+
+    Example: ``model_entry({"model", "optimizer_0"}, "ckpt") == "model"``.
+    """
+    if "state_dict" in entries:
+        return "state_dict"
+    if "model" in entries:
+        return "model"
+    raise ValueError(
+        f"shard_fsdp_tp: {path} holds no model weights for a LightningModule: its entries are {sorted(entries)}, "
+        "expected 'state_dict' (this strategy, ModelParallelStrategy) or 'model' (FSDPStrategy with "
+        "state_dict_type='sharded'); read it with lightning_shard.checkpoint.load (a directory) or torch.load (a "
+        "file) into your own structure"
+    )
 
 
 def load_full_file(path: str | os.PathLike, *, weights_only: bool = True) -> Any:
@@ -66,7 +89,11 @@ def _wrap(original):
 
     def pl_load(path_or_url, map_location=None, weights_only=None):
         if is_sharded_checkpoint(path_or_url):
-            return load_sharded_as_full(path_or_url)
+            checkpoint = load_sharded_as_full(path_or_url)
+            # FSDPStrategy(state_dict_type="sharded") keeps the weights under "model"; Lightning reads "state_dict"
+            key = model_entry(set(checkpoint), path_or_url)
+            checkpoint["state_dict"] = checkpoint.pop(key)
+            return checkpoint
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load._shard_fsdp_tp = True

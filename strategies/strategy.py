@@ -584,7 +584,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         read and verified) before either is modified.
 
         Accepted: our sharded directories, DCP directories of other tools with Lightning's layout
-        (ModelParallelStrategy: "state_dict", "optimizer_{i}", ``meta.pt``), our full files, consolidated files,
+        (ModelParallelStrategy: "state_dict", "optimizer_{i}", ``meta.pt``; FSDPStrategy(state_dict_type="sharded"):
+        the same with "model"), our full files, consolidated files,
         and full checkpoints of other Lightning strategies of the same model (DDP: optimizer state keyed by
         parameter index, matched by parameter order)."""
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -603,14 +604,14 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         pairs = list(zip(optimizers, optim_states or []))
         for optimizer, optim_state in pairs:  # before the model is touched
             check_optimizer_state_dict(self.model, optimizer, optim_state)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), strict=strict)
+        set_model_state_dict(self.model, checkpoint.pop(loading.model_entry(set(checkpoint), path)), strict=strict)
         for optimizer, optim_state in pairs:
             set_optimizer_state_dict(self.model, optimizer, optim_state)
         return checkpoint
 
     def _load_sharded(self, path: Path, optimizers: list, strict: bool) -> dict[str, Any]:
-        state = {"state_dict": get_model_state_dict(self.model)}
         saved = _top_level_entries(path)
+        state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
@@ -695,14 +696,17 @@ def _write_atomically(obj: dict[str, Any], path: Path, who: str) -> None:
 def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
     """Lightning's non-tensor checkpoint part (``meta.pt``) of a sharded directory, checked against the checksum
     in our marker when there is one, read with ``weights_only`` (Fabric's ``load(weights_only=...)``)."""
-    from lightning_shard.checkpoint._safe_io import read_marker, verify_file
+    from lightning_shard.checkpoint._safe_io import read_marker, undecodable, verify_file
 
     meta_file = path / META_FILE
     if not meta_file.is_file():
         return {}
     data = meta_file.read_bytes()
     verify_file(str(path), META_FILE, data, read_marker(str(path)))
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # other tools' directories have no checksum: name the file torch's reader refused
+        raise undecodable(str(meta_file), "Lightning's checkpoint state", e) from e
 
 
 def _memory_line(model: nn.Module, summary: dict) -> str:

@@ -283,3 +283,32 @@ def test_checkpoint_collectives_use_the_groups_device(tmp_path, monkeypatch):
     wrong = [(n, c, d, want) for n, c, devs, want in calls for d in devs if d != want]
     assert wrong == [], wrong
     assert full_state(model)  # the model is still usable
+
+
+class _Planted:
+    """A value whose unpickling would create a directory: the stand-in for code in a crafted checkpoint."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __reduce__(self):
+        return (os.makedirs, (self.where,))
+
+
+def test_a_pickled_object_in_another_tools_checkpoint_is_refused_by_name(tmp_path):
+    """torch's own ``dcp.save`` pickles any object; reading it back never unpickles code (``weights_only``), and
+    the error says that the entry asks for a Python object (not that the file is damaged), naming the file."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_shard.checkpoint import CheckpointSecurityError
+
+    path, planted = str(tmp_path / "ckpt"), str(tmp_path / "ran")
+    dcp.save({"w": torch.ones(3), "extra": _Planted(planted)}, checkpoint_id=path, no_dist=True)
+    target = {"w": torch.zeros(3), "extra": None}
+    with pytest.raises(CheckpointSecurityError, match=r"__0_0\.distcp.*'extra'.*Python object"):
+        load(target, path)
+    assert not os.path.exists(planted)
+    assert torch.equal(target["w"], torch.zeros(3)) and target["extra"] is None
+    with pytest.raises(CheckpointSecurityError, match=r"__0_0\.distcp.*'extra'"):
+        consolidate(path, str(tmp_path / "out.pt"))
+    assert not os.path.exists(planted)

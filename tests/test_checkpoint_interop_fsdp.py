@@ -80,8 +80,8 @@ class _FullStateDictOnCPU:
         self._module._get_full_state_dict_context = self._original
 
 
-def _lightning_fsdp_on_cpu():
-    """Lightning's FSDPStrategy (full checkpoints, one FSDP unit per Block) on the CPU: Lightning refuses a CPU
+def _lightning_fsdp_on_cpu(state_dict_type: str = "full", unit: type[torch.nn.Module] = Block):
+    """Lightning's FSDPStrategy (one FSDP unit per ``unit`` module) on the CPU: Lightning refuses a CPU
     accelerator for the class itself (a subclass passes) and passes ``device_id=None``, with which FSDP1 looks
     for an accelerator; wrapping with ``device_id=cpu`` first makes Lightning keep our wrapper."""
     from lightning.pytorch.strategies import FSDPStrategy
@@ -90,11 +90,11 @@ def _lightning_fsdp_on_cpu():
 
     class CPUFSDPStrategy(FSDPStrategy):
         def _setup_model(self, model):
-            policy = ModuleWrapPolicy({Block})
+            policy = ModuleWrapPolicy({unit})
             wrapped = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=policy, use_orig_params=True)
             return super()._setup_model(wrapped)
 
-    return CPUFSDPStrategy(state_dict_type="full")
+    return CPUFSDPStrategy(state_dict_type=state_dict_type)
 
 
 @distributed(world_size=2)

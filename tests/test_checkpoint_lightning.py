@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import strategies  # noqa: F401  (registers "shard_fsdp_tp")
+import strategies
 from tests.harness import distributed
 from tests.lightning_models import LitGPT, reference_params
 from tests.test_checkpoint_interop_fsdp import epochs, reference
@@ -143,6 +143,18 @@ def test_resume_from_a_model_parallel_strategy_checkpoint(tmp_path):
     for i in momentum:
         assert torch.equal(momentum[i], their_momentum[i]), i
     assert ours.optimizers[0].param_groups[0]["lr"] == 0.1
+
+    # restore on another layout: every parameter replicated on both ranks instead of FSDP2's dim-0 halves
+    replicated = LitGPT(lr=0.5)
+    ours = _trainer(strategy=strategies.ShardFSDPTPStrategy(sharding_strategy="NO_SHARD"), max_epochs=1, max_steps=-1)
+    ours.fit(replicated, ckpt_path=path)
+    embed = replicated.model.embed.weight
+    assert embed.to_local().shape == embed.shape  # the whole tensor on each rank
+    _close(_full_params(replicated), their_params, atol=0.0)
+    momentum = _momentum(ours)
+    assert momentum.keys() == their_momentum.keys()
+    for i in momentum:
+        assert torch.equal(momentum[i], their_momentum[i]), i
 
     # continue one epoch from it: equals the single-process reference over both epochs
     resumed = LitGPT(lr=0.5)

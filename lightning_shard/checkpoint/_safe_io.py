@@ -112,6 +112,28 @@ def verify_file(path: str, name: str, data: bytes, marker: dict[str, Any] | None
         )
 
 
+def undecodable(where: str, what: str, error: Exception) -> Exception:
+    """The error for an entry that ``torch.load(weights_only=True)`` refused: ``CheckpointSecurityError`` when it
+    asks for a Python global (a pickled object or code, never unpickled), else ``CheckpointCorruptError`` (damaged
+    bytes; without checksums, as in directories of other tools, this is how damage shows, if it does).
+
+    Example: ``raise undecodable("ckpt/__0_0.distcp (entry 'step')", "a plain value", e) from e``.
+    """
+    text = str(error)
+    # torch's weights-only message is a page of advice to pass weights_only=False: keep the line that says why
+    reason = next((line for line in text.splitlines() if "GLOBAL" in line or "Unsupported" in line), text)
+    reason = f"{type(error).__name__}: {reason.strip() or text}"
+    if "GLOBAL" in text:
+        return CheckpointSecurityError(
+            f"{where} asks to unpickle a Python object, not {what} ({reason}); refusing to run it: the checkpoint "
+            "holds something other than tensors and plain containers (a checkpoint of another kind, or crafted)"
+        )
+    return CheckpointCorruptError(
+        f"{where} cannot be read as {what} ({reason}): the file is damaged; restore it from a copy or use another "
+        "checkpoint"
+    )
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that cannot execute code and checks every entry it reads.
 
@@ -185,13 +207,16 @@ class SafeFileSystemReader(FileSystemReader):
             raw = self.transforms.transform_load_stream(req, info.transform_descriptors, raw)
         if req.type == LoadItemType.BYTE_IO:
             self._verify(req, data, where)
-            planner.load_bytes(req, io.BytesIO(raw.read(-1)))
+            try:
+                planner.load_bytes(req, io.BytesIO(raw.read(-1)))
+            except Exception as e:
+                raise undecodable(where, "a plain value", e) from e
             return
         seekable = raw if raw.seekable() else io.BytesIO(raw.read(-1))
         try:
             tensor = torch.load(seekable, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CheckpointCorruptError(f"{where} cannot be read as a tensor: {type(e).__name__}: {e}") from e
+            raise undecodable(where, "a tensor", e) from e
         self._verify(req, tensor, where)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()

@@ -392,7 +392,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         module = self.lightning_module
         fallback = "the defaults for the 'auto' knobs, because "
         if module is None or next(module.parameters(), None) is None:
-            return None, fallback + "the planner needs the model's layers before configure_model (none yet)"
+            return None, fallback + (
+                "the planner needs the model's layers and there are none yet (a model built in configure_model; "
+                "with Fabric, the mesh comes before the model)"
+            )
         hybrid, _, no_shard = _SHARDING[self.sharding_strategy]
         if no_shard:
             return None, fallback + "the planner does not model NO_SHARD (it also excludes TP)"

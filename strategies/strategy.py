@@ -416,8 +416,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 sequence_parallel=self.sequence_parallel is True, loss_parallel=self.loss_parallel,
                 hybrid_shard=hybrid, device=device, **kwargs,
             )  # fmt: skip
-        except NoFitError:
-            raise  # nothing fits: the planner's message says by how much and which knob helps most
+        except NoFitError as e:  # nothing fits: the planner's message says by how much and which knob helps most
+            raise NoFitError(
+                f"{e}\nIn this strategy's arguments: checkpointing every block is activation_checkpointing_policy="
+                "'auto' (or the block class), CPU offload is cpu_offload=True (or 'auto'); the budget is "
+                "planner_device_memory (or the device's memory) less a 10% margin"
+            ) from e
         except Exception as e:  # the planner could not run this model's step on meta
             return None, fallback + f"the planner could not estimate this model ({e!r})"
         return configuration, (

@@ -40,8 +40,9 @@ class Request:
     reshard_after_forward: bool | int | str
     cpu_offload: bool | str
 
-    def any_auto(self) -> bool:
-        return any(_is_auto(v) for v in asdict(self).values())
+    def auto_knobs(self) -> list[str]:
+        """The names of the knobs left to the planner, in argument order."""
+        return [name for name, value in asdict(self).items() if _is_auto(value)]
 
     def planner_kwargs(self) -> dict:
         """The planner's names for the knobs: ``"auto"`` to search, the user's value otherwise."""

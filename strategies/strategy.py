@@ -308,7 +308,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         world = self.world_size
         tp = self._tensor_parallel_size
         request = auto.Request(tensor_parallel_size=tp, **self._auto_request)
-        if request.any_auto():
+        if request.auto_knobs():
             tp = self._apply_auto(request, world)
         dp = world // tp if self._data_parallel_size == "auto" else self._data_parallel_size
         if world % tp:
@@ -350,7 +350,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.reshard_after_forward = values["reshard_after_forward"]
         self.cpu_offload = values["cpu_offload"]
         self.planner_table = configuration.table if configuration is not None else None
-        auto_knobs = [name for name, value in vars(request).items() if auto._is_auto(value)]
+        auto_knobs = request.auto_knobs()
         self.auto_configuration = {**values, "auto": auto_knobs, "decided_by": why}
         text = f"shard_fsdp_tp: 'auto' ({', '.join(auto_knobs)}) -> {auto.describe(values)}; {why}"
         rank_zero_info(text + (f"\n{self.planner_table}" if self.planner_table else ""))

@@ -16,7 +16,9 @@ Variants are interleaved (the order rotates each repeat) so that load from other
 hits them alike; the reported figure per variant is the median over repeats of the slowest rank's median.
 
 ``--json`` writes ``{"ours": {...}, "model_parallel": {...}, "ddp": {...}}`` with ``step_s``, ``peak_mb`` and
-``process_peak_mb`` each (plus the per-repeat values).
+``process_peak_mb`` each (plus the per-repeat values, and rank 0's training loss per step of the first repeat:
+the run prints the largest relative difference between ours and each other variant, so a baseline that trains
+a different model shows).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the GPT of fsdp_vs_torch.py
@@ -85,16 +88,23 @@ def _build_module(args):
 
 
 def _torch_parallelize(model, mesh, tp: int) -> None:
-    """What a ModelParallelStrategy user writes: TP (if any) on the TP sub-mesh, then FSDP2 per block + root."""
+    """What a ModelParallelStrategy user writes: TP (if any) on the TP sub-mesh, then FSDP2 per block + root.
+
+    Under TP each rank computes ``heads / tp`` whole heads, as our auto plan does. The fused ``qkv`` projection
+    needs two changes for that with torch's styles: its output rows are regrouped so that ColwiseParallel's
+    chunk ``r`` holds the q, k and v rows of heads ``r * heads / tp ..`` (the same function: the rows are only
+    reordered), and the block's forward takes its widths from the local ``qkv`` output instead of the full
+    hidden size of its input."""
     from torch.distributed.fsdp import fully_shard
 
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         for block in model.blocks:
-            # qkv is split by output features; with heads % tp == 0 each rank keeps whole heads of q, k and v
-            # only if the weight rows are grouped per head, which this simple plan does not ensure. Throughput
-            # only: use the numbers for speed and memory, not for accuracy.
+            if block.heads % tp:
+                raise SystemExit(f"--heads {block.heads} must divide by --tp {tp}")
+            _group_qkv_rows_per_rank(block.qkv, tp)
+            block.forward = types.MethodType(_local_heads_forward, block)
             parallelize_module(
                 block,
                 mesh["tensor_parallel"],
@@ -112,6 +122,34 @@ def _torch_parallelize(model, mesh, tp: int) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
+def _group_qkv_rows_per_rank(qkv, tp: int) -> None:
+    """Reorder the ``[q | k | v]`` output rows of the fused projection into ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ..]``
+    (``x_r``: rank ``r``'s contiguous share of the heads), so that an even split by rows gives each rank its
+    own heads' q, k and v."""
+    import torch
+
+    d = qkv.out_features // 3
+    order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
+    with torch.no_grad():
+        qkv.weight.copy_(qkv.weight[order])
+        if qkv.bias is not None:
+            qkv.bias.copy_(qkv.bias[order])
+
+
+def _local_heads_forward(self, x):
+    """``fsdp_vs_torch.Block.forward`` with the attention width of this rank (``3 * width`` = the local
+    ``qkv`` output) in place of the input's hidden size; ``self.heads`` is this rank's head count."""
+    import torch.nn.functional as F
+
+    b, s, _ = x.shape
+    qkv = self.qkv(self.norm1(x))
+    width = qkv.shape[-1] // 3
+    q, k, v = qkv.view(b, s, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + self.proj(att.transpose(1, 2).reshape(b, s, width))
+    return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
 def _callback(args, out: str):
     import lightning as L
     import torch
@@ -119,6 +157,7 @@ def _callback(args, out: str):
     class Timer(L.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.losses: list[float] = []
             self._t0 = 0.0
 
         def _sync(self):
@@ -132,6 +171,8 @@ def _callback(args, out: str):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self._sync()
             self.times.append(time.perf_counter() - self._t0)
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss.detach().float().cpu()))
 
         def on_train_end(self, trainer, pl_module):
             cuda = pl_module.device.type == "cuda"
@@ -146,6 +187,7 @@ def _callback(args, out: str):
                     "process_peak_mb": float(every[:, 2].max()),
                     "per_rank": every.tolist(),
                     "steps_timed": len(self.times) - args.warmup,
+                    "losses": self.losses,  # rank 0's training loss per step, to check the variants agree
                 }
                 Path(out).write_text(json.dumps(result))
 
@@ -224,6 +266,7 @@ def main_compare(args) -> dict:
             "process_peak_mb": statistics.median(r["process_peak_mb"] for r in rs),
             "step_s_runs": [r["step_s"] for r in rs],
             "peak_mb_runs": [r["peak_mb"] for r in rs],
+            "losses": rs[0].get("losses"),
         }
         for v, rs in runs.items()
     }
@@ -237,6 +280,12 @@ def main_compare(args) -> dict:
         mem = ", ".join(f"{m:.0f}" for m in r["peak_mb_runs"])
         print(f"| {v} | {r['step_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {r['process_peak_mb']:.1f} | {per} | {mem} |")
     if "ours" in results:
+        for other in ("model_parallel", "ddp"):
+            if other in results and runs["ours"][0].get("losses") and runs[other][0].get("losses"):
+                a, b = runs["ours"][0]["losses"], runs[other][0]["losses"]
+                diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+                print(f"loss per step, ours vs {other} (repeat 0): largest relative difference {diff:.2e}; "
+                      f"ours {[round(x, 5) for x in a[:5]]}, {other} {[round(y, 5) for y in b[:5]]}")  # fmt: skip
         for other in ("model_parallel", "ddp"):
             if other in results:
                 keys = ("step_s", "peak_mb", "process_peak_mb")

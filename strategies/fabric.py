@@ -87,7 +87,8 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         state_dict_type, sharding_strategy, activation_checkpointing_policy, compile_fsdp_units,
         process_group_backend, timeout:
             as for ``ShardFSDPTPStrategy`` (docs/strategy.md). ``tensor_parallel_size="auto"`` needs the model,
-            which Fabric creates after the mesh: it means 1 here (with a message).
+            which Fabric creates after the mesh: it means 1 here (with a message), and the other ``"auto"``
+            knobs (checkpointing, resharding, offload) take the strategy's defaults, with a message.
         state_dict_type: ``"sharded"`` (a DCP directory plus ``meta.pt``) or ``"full"`` (one file) for
             ``fabric.save``.
 
@@ -102,11 +103,11 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         tensor_parallel_size: int | Literal["auto"] = 1,
         fsdp_unit: str | set[type] | Callable[[nn.Module], bool] = "auto",
         tp_plan: str | dict | None = "auto",
-        reshard_after_forward: bool | int = True,
-        cpu_offload: bool = False,
+        reshard_after_forward: bool | int | Literal["auto"] = True,
+        cpu_offload: bool | Literal["auto"] = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharding_strategy: str = "FULL_SHARD",
-        activation_checkpointing_policy: set[type] | None = None,
+        activation_checkpointing_policy: set[type] | Literal["auto"] | None = None,
         compile_fsdp_units: bool | dict = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

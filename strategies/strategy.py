@@ -59,7 +59,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import loading, parallelize
+from strategies import auto, loading, parallelize
 from strategies.compile import compile_fsdp_units
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
@@ -81,7 +81,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     Args:
         data_parallel_size: ranks per data-parallel group; ``"auto"`` = world size / TP size.
-        tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice, or 1 without one).
+        tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice; see below).
             Both sizes also accept their digits as a string (``"2"``), as command lines pass them.
         fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
@@ -99,16 +99,26 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             a replicated DTensor; the strategy hands Lightning its local value (log ``loss.full_tensor()``).
         reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
             k-way shard for a backward all-gather over k neighbouring ranks (int k; see ``fully_shard``).
-            ``sharding_strategy`` names without resharding override it.
-        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU.
+            ``sharding_strategy`` names without resharding override it. ``"auto"``: the planner's choice.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (True/False, or ``"auto"``).
         state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file) for checkpoints.
         sharding_strategy: FSDP1's names, so Lightning ``FSDPStrategy`` users switch by one string.
-        activation_checkpointing_policy: module classes whose forward is recomputed in backward.
+        activation_checkpointing_policy: module classes whose forward is recomputed in backward; ``"auto"``:
+            the planner chooses between none and the repeated block class (what ``fsdp_unit="auto"`` finds).
         planner_batch, planner_seq_len: micro-batch and sequence length the planner sizes activations for
-            when ``tensor_parallel_size="auto"``.
+            when a knob is ``"auto"`` (and the module has neither ``example_input_array`` nor a train dataloader).
+        planner_device_memory: the memory per device the planner fits into (bytes or ``"24GiB"``); default
+            ``None``: the GPU's total memory, or on CPU the host's RAM divided by the local processes.
         compile_fsdp_units: ``torch.compile`` each FSDP unit's forward after sharding (``True``, or a dict of
             ``torch.compile`` arguments); see ``strategies.compile``.
         process_group_backend, timeout, start_method: process-group and launcher settings.
+
+    ``"auto"`` (``tensor_parallel_size``, ``activation_checkpointing_policy``, ``reshard_after_forward``,
+    ``cpu_offload``, each independently): rank 0 runs ``lightning_shard.planner.choose_configuration`` once
+    with the user's values for the other knobs and sends the choice to every rank; it is logged with the
+    planner's table (``planner_table``, ``parallel_summary["auto"]``). When the planner cannot run on the
+    model, the ``"auto"`` knobs take the defaults (TP 1, no checkpointing, reshard True, no offload) with a
+    message saying why; when nothing fits, ``NoFitError`` is raised on every rank (docs/strategy.md).
 
     Example: ``ShardFSDPTPStrategy(tensor_parallel_size=2, state_dict_type="full")``.
     """
@@ -123,16 +133,17 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         tp_plan: str | dict | None = "auto",
         sequence_parallel: bool | Literal["auto"] = "auto",
         loss_parallel: bool = False,
-        reshard_after_forward: bool | int = True,
-        cpu_offload: bool = False,
+        reshard_after_forward: bool | int | Literal["auto"] = True,
+        cpu_offload: bool | Literal["auto"] = False,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharding_strategy: str = "FULL_SHARD",
-        activation_checkpointing_policy: set[type] | None = None,
+        activation_checkpointing_policy: set[type] | Literal["auto"] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn"] = "popen",
         planner_batch: int = 1,
         planner_seq_len: int = 2048,
+        planner_device_memory: int | str | None = None,
         compile_fsdp_units: bool | dict = False,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
@@ -157,7 +168,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             tp_plan=tp_plan, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
             activation_checkpointing_policy=activation_checkpointing_policy,
             process_group_backend=process_group_backend, timeout=timeout, planner_batch=planner_batch,
-            planner_seq_len=planner_seq_len,
+            planner_seq_len=planner_seq_len, planner_device_memory=planner_device_memory,
         )  # fmt: skip
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
@@ -186,6 +197,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._start_method = start_method
         self.planner_batch = planner_batch
         self.planner_seq_len = planner_seq_len
+        self.planner_device_memory = planner_device_memory
+        # The knobs as asked ("auto" or a value); the attributes above hold what is applied once decided.
+        self._auto_request = dict(
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=cpu_offload,
+        )
         if not isinstance(compile_fsdp_units, (bool, dict)):
             raise TypeError(
                 f"ShardFSDPTPStrategy: compile_fsdp_units={compile_fsdp_units!r} must be a bool or a dict of "
@@ -195,7 +213,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
         self.parallel_summary: dict = {}
-        self.planner_table: str | None = None  # the planner's table when tensor_parallel_size="auto"
+        self.planner_table: str | None = None  # the planner's table when a knob is "auto"
+        self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
 
     # ------------------------------------------------------------------ registry / properties
@@ -291,8 +310,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def _build_mesh(self) -> DeviceMesh:
         world = self.world_size
         tp = self._tensor_parallel_size
-        if tp == "auto":
-            tp = self._plan_tensor_parallel_size(world)
+        request = auto.Request(tensor_parallel_size=tp, **self._auto_request)
+        if request.auto_knobs():
+            tp = self._apply_auto(request, world)
         dp = world // tp if self._data_parallel_size == "auto" else self._data_parallel_size
         if world % tp:
             raise ValueError(
@@ -324,48 +344,98 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             )
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
-    def _plan_tensor_parallel_size(self, world: int) -> int:
-        """``tensor_parallel_size="auto"`` decided on rank 0 and sent to every rank (with ``planner_table``).
+    def _apply_auto(self, request: auto.Request, world: int) -> int:
+        """Decide the ``"auto"`` knobs (rank 0's planner, the same on every rank), set the strategy's
+        activation checkpointing, resharding and offload from them, log the choice; returns the TP size."""
+        configuration, why = self._plan_configuration(request, world)
+        values = auto.settings(request, configuration, self.lightning_module)
+        self.activation_checkpointing_policy = values["activation_checkpointing_policy"]
+        self.reshard_after_forward = values["reshard_after_forward"]
+        self.cpu_offload = values["cpu_offload"]
+        self.planner_table = configuration.table if configuration is not None else None
+        auto_knobs = request.auto_knobs()
+        self.auto_configuration = {**values, "auto": auto_knobs, "decided_by": why}
+        text = f"shard_fsdp_tp: 'auto' ({', '.join(auto_knobs)}) -> {auto.describe(values)}; {why}"
+        rank_zero_info(text + (f"\n{self.planner_table}" if self.planner_table else ""))
+        return values["tensor_parallel_size"]
 
-        Each rank planning alone could pick a different size (per-node memory, a different first batch, the
-        planner failing on one rank) and build a different mesh: a hang or a crash. An error of rank 0's
-        planner (``NoFitError``) is raised on every rank before the mesh is built.
+    def _plan_configuration(self, request: auto.Request, world: int):
+        """``(Configuration or None, why)`` for the ``"auto"`` knobs, decided on rank 0 and sent to every rank.
+
+        Each rank planning alone could decide differently (per-node memory, a different first batch, the
+        planner failing on one rank) and build a different mesh or FSDP layout: a hang or a crash. An error of
+        rank 0's planner (``NoFitError``) is raised on every rank before the mesh is built.
         """
         if not _distributed_is_initialized() or world == 1:
-            return self._plan_tensor_parallel_size_here(world)
-        from lightning_shard.comm import broadcast_object
+            return self._plan_configuration_here(request, world)
         from lightning_shard.planner import NoFitError
 
         outcome: tuple = (None, None, None)
         error: Exception | None = None
         if self.global_rank == 0:
             try:
-                outcome = (self._plan_tensor_parallel_size_here(world), self.planner_table, None)
+                outcome = (*self._plan_configuration_here(request, world), None)
             except Exception as e:  # raised below on every rank, after the broadcast (no rank left waiting)
                 error = e
                 outcome = (None, None, (isinstance(e, NoFitError), f"{type(e).__name__}: {e}"))
-        tp, table, failed = broadcast_object(outcome, src=0)
+        configuration, why, failed = broadcast_object(outcome, src=0)
         if error is not None:
             raise error
         if failed is not None:
             no_fit, message = failed
             kind = NoFitError if no_fit else RuntimeError
-            raise kind(f"shard_fsdp_tp: tensor_parallel_size='auto' failed on rank 0: {message}")
-        self.planner_table = table
-        return tp
+            raise kind(f"shard_fsdp_tp: the 'auto' settings failed on rank 0: {message}")
+        return configuration, why
 
-    def _plan_tensor_parallel_size_here(self, world: int) -> int:
-        """``tensor_parallel_size="auto"`` on this process: the planner's choice (the fastest TP size that fits,
-        with this strategy's activation checkpointing, resharding, offload and hybrid sharding), logged with its table.
-        Needs the model's layers at this point (built in ``__init__``); a model built later in
-        ``configure_model`` gets TP 1 with a message saying why."""
+    def _plan_configuration_here(self, request: auto.Request, world: int):
+        """The planner's choice on this process (the fastest predicted configuration that fits, with the
+        user's values for the knobs not ``"auto"``): ``(Configuration, why)``, or ``(None, why)`` when the
+        planner cannot run here (the ``"auto"`` knobs then take ``auto.FALLBACK``). Needs the model's layers
+        at this point (built in ``__init__``); a model built later in ``configure_model`` cannot be planned."""
         module = self.lightning_module
-        if next(module.parameters(), None) is None:
-            rank_zero_info(
-                "shard_fsdp_tp: tensor_parallel_size='auto' needs the layers before configure_model; using 1"
+        fallback = "the defaults for the 'auto' knobs, because "
+        if module is None or next(module.parameters(), None) is None:
+            return None, fallback + (
+                "the planner needs the model's layers and there are none yet (a model built in configure_model; "
+                "with Fabric, the mesh comes before the model)"
             )
-            return 1
-        from lightning_shard.planner import NoFitError, choose_tensor_parallel_size
+        hybrid, _, no_shard = _SHARDING[self.sharding_strategy]
+        if no_shard:
+            return None, fallback + "the planner does not model NO_SHARD (it also excludes TP)"
+        from lightning_shard.planner import NoFitError, choose_configuration
+        from lightning_shard.planner.estimate import format_bytes
+
+        kwargs = request.planner_kwargs()
+        dp = self._data_parallel_size
+        if kwargs["tensor_parallel_size"] == "auto" and isinstance(dp, int) and world % dp == 0:
+            kwargs["tensor_parallel_size"] = world // dp  # a fixed data-parallel size leaves one TP size
+        memory, device = self._planner_device()
+        try:
+            example_input, step, batch, seq_len = _planner_step(module, self.planner_batch, self.planner_seq_len)
+            configuration = choose_configuration(
+                module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
+                batch=batch, seq_len=seq_len, example_input=example_input, step=step,
+                # "auto" may still turn out off for this model: the estimate assumes it off (the larger footprint)
+                sequence_parallel=self.sequence_parallel is True, loss_parallel=self.loss_parallel,
+                hybrid_shard=hybrid, device=device, **kwargs,
+            )  # fmt: skip
+        except NoFitError as e:  # nothing fits: the planner's message says by how much and which knob helps most
+            raise NoFitError(
+                f"{e}\nIn this strategy's arguments: checkpointing every block is activation_checkpointing_policy="
+                "'auto' (or the block class), CPU offload is cpu_offload=True (or 'auto'); the budget is "
+                "planner_device_memory (or the device's memory) less a 10% margin"
+            ) from e
+        except Exception as e:  # the planner could not run this model's step on meta
+            return None, fallback + f"the planner could not estimate this model ({e!r})"
+        return configuration, (
+            f"chosen by the planner on {format_bytes(memory)} per device: the highest predicted tokens/s that "
+            "fits (predicted, not measured)"
+        )
+
+    def _planner_device(self) -> tuple[int, str]:
+        """(memory per device, the planner's device name): ``planner_device_memory`` when given, else the GPU's
+        total memory, or on CPU the host's RAM divided by the local processes."""
+        from lightning_shard.planner import parse_bytes
 
         if self.root_device.type == "cuda":
             memory = torch.cuda.get_device_properties(self.root_device).total_memory
@@ -374,30 +444,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         else:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, self.num_processes)
             device = "cpu"
-        hybrid, _, no_shard = _SHARDING[self.sharding_strategy]
-        if no_shard:  # _build_mesh rejects NO_SHARD with TP: there is nothing to choose
-            rank_zero_info("shard_fsdp_tp: tensor_parallel_size='auto' with NO_SHARD: TP 1 (NO_SHARD excludes TP)")
-            return 1
-        try:
-            example_input, step, batch, seq_len = _planner_step(module, self.planner_batch, self.planner_seq_len)
-            tp, table = choose_tensor_parallel_size(
-                module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
-                batch=batch, seq_len=seq_len, cpu_offload=self.cpu_offload,
-                reshard_after_forward=self.reshard_after_forward, example_input=example_input, step=step,
-                activation_checkpointing=self.activation_checkpointing_policy,
-                # "auto" may still turn out off for this model: the estimate assumes it off (the larger footprint)
-                sequence_parallel=self.sequence_parallel is True, loss_parallel=self.loss_parallel,
-                hybrid_shard=hybrid,
-                device=device,
-            )  # fmt: skip
-        except NoFitError:
-            raise  # nothing fits: the planner's message says by how much and which knob helps most
-        except Exception as e:  # the planner could not run this model's step on meta
-            rank_zero_info(f"shard_fsdp_tp: the planner could not estimate this model ({e!r}); using TP 1")
-            return 1
-        rank_zero_info(f"shard_fsdp_tp: tensor_parallel_size='auto' chose {tp}:\n{table}")
-        self.planner_table = table
-        return tp
+        if self.planner_device_memory is not None:
+            memory = parse_bytes(self.planner_device_memory)
+        return memory, device
 
     def _sync_tp_rng_states(self) -> None:
         """The ranks of a TP group draw the same random numbers (dropout on replicated activations): their
@@ -471,6 +520,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         if self.compile_fsdp_units:
             options = self.compile_fsdp_units if isinstance(self.compile_fsdp_units, dict) else None
             summary["compiled_units"] = compile_fsdp_units(model, options)
+        if self.auto_configuration is not None:
+            summary["auto"] = self.auto_configuration
+            summary["planner_table"] = self.planner_table
         self.parallel_summary = summary
         units = summary["fsdp_units"]
         plan = summary["tp_plan"]
@@ -852,6 +904,7 @@ def _check_arguments(
     timeout,
     planner_batch,
     planner_seq_len,
+    planner_device_memory=None,
 ) -> None:
     """Everything ``__init__`` can check without knowing the devices, so that ``Trainer(strategy=...)`` fails
     in the user's process with a message naming the argument, rather than in every launched rank."""
@@ -871,19 +924,29 @@ def _check_arguments(
     # A style object is a valid plan too (parallelize_module applies it to the root); refuse what never is.
     if isinstance(tp_plan, (str, bool, int, float)) and tp_plan != "auto":
         raise TypeError(f"{name}: tp_plan={tp_plan!r}: use 'auto', a dict {{module name: ParallelStyle}}, or None")
-    if not isinstance(reshard_after_forward, int) or (
-        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+    # "auto" exactly (the planner decides); other spellings ("Auto") are refused, not guessed at
+    if reshard_after_forward != "auto" and (
+        not isinstance(reshard_after_forward, int)
+        or (not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1)
     ):
-        raise ValueError(f"{name}: reshard_after_forward={reshard_after_forward!r}: use True, False or an int >= 1")
-    if not isinstance(cpu_offload, bool):
-        raise TypeError(f"{name}: cpu_offload={cpu_offload!r} must be True or False")
+        raise ValueError(
+            f"{name}: reshard_after_forward={reshard_after_forward!r}: use True, False, an int >= 1 or 'auto'"
+        )
+    if cpu_offload != "auto" and not isinstance(cpu_offload, bool):
+        raise TypeError(f"{name}: cpu_offload={cpu_offload!r} must be True, False or 'auto'")
     policy = activation_checkpointing_policy
-    if policy is not None and not (
-        isinstance(policy, (set, frozenset, list, tuple))
-        and all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy)
+    if (
+        policy is not None
+        and policy != "auto"
+        and not (
+            isinstance(policy, (set, frozenset, list, tuple))
+            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy)
+        )
     ):
         hint = f"; pass {{{policy.__name__}}}" if isinstance(policy, type) else ""
-        raise TypeError(f"{name}: activation_checkpointing_policy={policy!r}: use a set of nn.Module classes{hint}")
+        raise TypeError(
+            f"{name}: activation_checkpointing_policy={policy!r}: use a set of nn.Module classes, None or 'auto'{hint}"
+        )
     if process_group_backend is not None and not isinstance(process_group_backend, str):
         raise TypeError(f"{name}: process_group_backend={process_group_backend!r} must be a string such as 'nccl'")
     if timeout is not None and not isinstance(timeout, timedelta):
@@ -891,6 +954,18 @@ def _check_arguments(
     for arg, value in (("planner_batch", planner_batch), ("planner_seq_len", planner_seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {arg}={value!r} must be a positive int")
+    if planner_device_memory is not None:
+        from lightning_shard.planner import parse_bytes
+
+        try:
+            ok = not isinstance(planner_device_memory, bool) and parse_bytes(planner_device_memory) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name}: planner_device_memory={planner_device_memory!r}: use a positive number of bytes or a size "
+                "such as '24GiB' (None: the device's own memory)"
+            )
 
 
 def _check_sizes_for_world(dp, tp, world: int) -> None:

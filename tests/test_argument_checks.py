@@ -98,6 +98,14 @@ def test_planner_cli_refuses_non_positive_sizes(flag, value):
         ({"timeout": 30}, TypeError, "timeout=30.*timedelta"),
         ({"planner_batch": 0}, ValueError, "planner_batch=0"),
         ({"planner_seq_len": -1}, ValueError, "planner_seq_len=-1"),
+        # the "auto" knobs: exactly "auto", nothing that merely looks like it
+        ({"cpu_offload": 3}, TypeError, "cpu_offload=3 must be True, False or 'auto'"),
+        ({"cpu_offload": "Auto"}, TypeError, "cpu_offload='Auto' must be True, False or 'auto'"),
+        ({"reshard_after_forward": "Auto"}, ValueError, "reshard_after_forward='Auto'.*or 'auto'"),
+        ({"activation_checkpointing_policy": "Auto"}, TypeError, "activation_checkpointing_policy='Auto'.*'auto'"),
+        ({"planner_device_memory": "lots"}, ValueError, "planner_device_memory='lots'.*'24GiB'"),
+        ({"planner_device_memory": 0}, ValueError, "planner_device_memory=0"),
+        ({"planner_device_memory": True}, ValueError, "planner_device_memory=True"),
     ],
 )
 def test_strategy_constructor_names_the_bad_argument(kwargs, error, pattern):
@@ -118,6 +126,22 @@ def test_strategy_accepts_good_arguments():
     )
     assert s.reshard_after_forward == 2 and s.cpu_offload
     strategies.ShardFSDPTPStrategy(fsdp_unit=lambda m: isinstance(m, nn.Linear), tensor_parallel_size="auto")
+
+
+def test_strategy_accepts_auto_for_each_knob_alone_and_together():
+    knobs = {"activation_checkpointing_policy": "auto", "reshard_after_forward": "auto", "cpu_offload": "auto"}
+    for name, value in knobs.items():
+        s = strategies.ShardFSDPTPStrategy(**{name: value})
+        assert getattr(s, name) == "auto"  # decided at setup, by the planner
+    s = strategies.ShardFSDPTPStrategy(tensor_parallel_size="auto", planner_device_memory="24GiB", **knobs)
+    assert s.planner_device_memory == "24GiB"
+    # a sharding strategy that never reshards decides reshard_after_forward itself, "auto" or not
+    assert (
+        strategies.ShardFSDPTPStrategy(
+            reshard_after_forward="auto", sharding_strategy="SHARD_GRAD_OP"
+        ).reshard_after_forward
+        is False
+    )
 
 
 @pytest.mark.parametrize(

@@ -210,7 +210,9 @@ def test_strategy_auto_passes_its_checkpointing_and_hybrid_sharding_to_the_plann
     )  # fmt: skip
     strategy._lightning_module = Plain()
     strategy.precision_plugin = ShardPrecision("32-true", "cpu")
-    assert strategy._plan_tensor_parallel_size(4) == 1
+    from strategies import auto
+
+    assert strategy._apply_auto(auto.Request(tensor_parallel_size="auto", **strategy._auto_request), 4) == 1
     table = strategy.planner_table
     assert table is not None and "micro-batch 3 x seq 10" in table  # the train batch, through training_step
     assert "ac={LlamaBlock}" in table and "hsdp 2x2" in table
@@ -229,3 +231,23 @@ def test_auto_offloads_only_when_nothing_else_fits():
     assert result.choice.estimate.cpu_offload and result.choice.fits
     assert len([o for o in result.options if o.estimate is not None]) == 8  # 1 mesh x 2 AC x 2 reshard x 2 offload
     assert step_time(off, "h100", 8).step > step_time(on, "h100", 8).step  # host copies and a host optimizer step
+
+
+def test_auto_checkpointing_offers_nothing_to_checkpoint_on_a_model_without_blocks():
+    # Before: "ac=full" was listed (and could be chosen) with the same estimate as "ac=none"; the strategy has
+    # no repeated block to checkpoint there.
+    model = _meta(lambda: nn.Sequential(nn.Embedding(101, 16), nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 101)))
+    result = plan(model, 2, 2, "1GiB", batch=B, seq_len=T, activation_checkpointing="auto")
+    assert {o.estimate.options.checkpointing for o in result.options if o.estimate} == {None}
+    assert "ac=full" not in result.table
+
+
+def test_a_fixed_tensor_parallel_size_is_the_only_mesh_searched():
+    model = _meta(Llama)
+    result = plan(model, 4, 4, "1GiB", batch=B, seq_len=T, tensor_parallel_size=2, activation_checkpointing="auto")
+    assert {o.mesh for o in result.options} == {(2, 2)} and result.choice.mesh == (2, 2)
+    c = choose_configuration(model, 4, 4, "1GiB", "32-true", batch=B, seq_len=T, tensor_parallel_size=2,
+                             cpu_offload="auto")  # fmt: skip
+    assert c.tensor_parallel_size == 2 and c.cpu_offload is False
+    with pytest.raises(ValueError, match="tensor_parallel_size=3.*divisor of world_size=4"):
+        plan(model, 4, 4, "1GiB", batch=B, seq_len=T, tensor_parallel_size=3)

@@ -231,6 +231,12 @@ def _auto_strategy():
     return strategy
 
 
+def _auto_request(strategy):
+    from strategies import auto
+
+    return auto.Request(tensor_parallel_size=strategy._tensor_parallel_size, **strategy._auto_request)
+
+
 @distributed(world_size=2)
 def test_auto_tensor_parallel_size_is_rank_zeros_choice_on_every_rank():
     from unittest import mock
@@ -238,12 +244,14 @@ def test_auto_tensor_parallel_size_is_rank_zeros_choice_on_every_rank():
     import lightning_shard.planner as planner
 
     # Rank 1's planner sees something else (another node's memory, another first batch): it must not matter.
-    other = mock.patch.object(planner, "choose_tensor_parallel_size", return_value=(2, "rank 1's table"))
-    failing = mock.patch.object(planner, "choose_tensor_parallel_size", side_effect=RuntimeError("meta failed"))
+    other = mock.patch.object(
+        planner, "choose_configuration", return_value=planner.Configuration(2, None, True, False, "rank 1's table")
+    )
+    failing = mock.patch.object(planner, "choose_configuration", side_effect=RuntimeError("meta failed"))
     for patch in (other, failing):
         strategy = _auto_strategy()
         with patch if dist.get_rank() == 1 else contextlib.nullcontext():
-            tp = strategy._plan_tensor_parallel_size(2)
+            tp = strategy._apply_auto(_auto_request(strategy), 2)
         seen = [None, None]
         dist.all_gather_object(seen, (tp, strategy.planner_table))
         assert seen[0] == seen[1], seen
@@ -257,7 +265,8 @@ def test_auto_tensor_parallel_size_error_on_rank_zero_raises_on_every_rank():
     import lightning_shard.planner as planner
 
     no_fit = planner.NoFitError("nothing fits in 1 byte")
-    patch = mock.patch.object(planner, "choose_tensor_parallel_size", side_effect=no_fit)
+    patch = mock.patch.object(planner, "choose_configuration", side_effect=no_fit)
     rank0_patch = patch if dist.get_rank() == 0 else contextlib.nullcontext()
     with rank0_patch, pytest.raises(planner.NoFitError, match="nothing fits in 1 byte"):
-        _auto_strategy()._plan_tensor_parallel_size(2)
+        strategy = _auto_strategy()
+        strategy._plan_configuration(_auto_request(strategy), 2)

@@ -6,7 +6,8 @@ and the devices of one node (TP traffic stays on the node's fast links), every a
 the model divides by ``tp``, every dimension the auto TP plan shards divides by ``tp``, and with hybrid
 sharding (HSDP) ``tp == 1`` (the strategy rejects HSDP with TP). The choice: among the configurations whose
 per-device total fits in ``device_memory_bytes * (1 - safety_margin)``, the one with the highest predicted
-tokens/s per device (``timing.step_time`` on ``device``); ties go to the smaller TP size.
+tokens/s per device (``timing.step_time`` on ``device``); ties go to the smaller TP size, then to no activation
+checkpointing, no CPU offload and ``reshard_after_forward=True``.
 
 The planner does not model a pipeline-parallel axis: the engine has none.
 
@@ -149,6 +150,18 @@ def _mesh_problem(model, world_size, devices_per_node, tp, heads, hybrid_shard):
     return tp_plan, ""
 
 
+def _tp_sizes(tensor_parallel_size: int | str, world_size: int) -> list[int]:
+    """The TP sizes to consider: every divisor of the world size for ``"auto"``, else the one given."""
+    if tensor_parallel_size == "auto":
+        return [t for t in range(1, world_size + 1) if world_size % t == 0]
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world_size % tp:
+        raise ValueError(
+            f"planner: tensor_parallel_size={tp!r} must be 'auto' or a positive divisor of world_size={world_size}"
+        )
+    return [tp]
+
+
 def _choices(value, auto: list) -> list:
     return auto if isinstance(value, str) and value == "auto" else [value]
 
@@ -175,13 +188,17 @@ def plan(
     hybrid_shard: bool = False,
     device: str | Device = "h100",
     step: Callable | None = None,
+    tensor_parallel_size: int | str = "auto",
 ) -> PlanResult:
     """Estimate every valid configuration of ``world_size`` devices and choose the fastest that fits.
 
     ``batch`` is the micro-batch per data-parallel rank. ``activation_checkpointing``, ``reshard_after_forward``
-    and ``cpu_offload`` accept ``"auto"`` (search: no checkpointing or every block checkpointed; True/False;
-    False/True). ``hybrid_shard``: HSDP as the strategy builds it (see :func:`hsdp_replicas`). ``device``:
-    ``"h100"``, ``"a100"``, ``"cpu"`` or a :class:`~lightning_shard.planner.timing.Device`, for the time model.
+    and ``cpu_offload`` accept ``"auto"`` (search: no checkpointing or every block checkpointed -- only ``None``
+    for a model without repeated blocks, where there is nothing to checkpoint; True/False; False/True).
+    ``tensor_parallel_size``: ``"auto"`` (every divisor of ``world_size``) or the one TP size to consider (a
+    user's fixed choice while other knobs are searched). ``hybrid_shard``: HSDP as the strategy builds it (see
+    :func:`hsdp_replicas`). ``device``: ``"h100"``, ``"a100"``, ``"cpu"`` or a
+    :class:`~lightning_shard.planner.timing.Device`, for the time model.
     Raises :class:`NoFitError` (a ``ValueError``) when nothing fits (unless ``raise_if_none_fits=False``),
     saying by how much and which knob helps most.
 
@@ -203,14 +220,15 @@ def plan(
         model, precision=precision, batch=batch, seq_len=seq_len, example_input=example_input, loss_fn=loss_fn,
         step=step,
     )  # fmt: skip
-    acs = _choices(activation_checkpointing, [None, "full"])
+    # "full" checkpoints every repeated block: without blocks it is the same estimate as None under another name
+    acs = _choices(activation_checkpointing, [None, "full"] if find_blocks(model) else [None])
     reshards = _choices(reshard_after_forward, [True, False])
     offloads = _choices(cpu_offload, [False, True])
     common = dict(precision=precision, batch=batch, seq_len=seq_len, optimizer=optimizer, activations=profile,
                   sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, example_input=example_input,
                   loss_fn=loss_fn, step=step)  # fmt: skip
     options: list[MeshOption] = []
-    for tp in [t for t in range(1, world_size + 1) if world_size % t == 0]:
+    for tp in _tp_sizes(tensor_parallel_size, world_size):
         tp_plan, reason = _mesh_problem(model, world_size, devices_per_node, tp, heads, hybrid_shard)
         mesh = (world_size // tp, tp)
         if tp_plan is None:
@@ -223,13 +241,22 @@ def plan(
             t = step_time(est, dev, devices_per_node, precision)
             options.append(MeshOption(mesh, est, est.device_total <= budget, time=t))
     fitting = [o for o in options if o.fits]
-    choice = max(fitting, key=lambda o: (o.time.tokens_per_second_per_device, -o.mesh[1]), default=None)
+    choice = max(fitting, key=_preference, default=None)
     table = _table(options, choice, memory, budget, precision, batch, seq_len, dev)
     result = PlanResult(options, choice, budget, table)
     if choice is None and raise_if_none_fits:
         raise NoFitError(_no_fit_message(result, model, world_size, devices_per_node, memory, safety_margin, common,
                                          hybrid_shard, dev))  # fmt: skip
     return result
+
+
+def _preference(option: MeshOption) -> tuple:
+    """The choice's order: the highest predicted tokens/s; on a tie (e.g. a step bound by communication, which
+    hides the recomputation) the smaller TP size, then no checkpointing, no offload, resharding after forward --
+    the simpler configuration, not whichever the search happened to list first."""
+    e = option.estimate
+    return (option.time.tokens_per_second_per_device, -option.mesh[1], e.options.checkpointing is None,
+            not e.cpu_offload, e.reshard_after_forward is True)  # fmt: skip
 
 
 def _table(options, choice, memory, budget, precision, batch, seq_len, device) -> str:

@@ -206,3 +206,68 @@ def test_tp_auto_plan_matches_one_process():
 @distributed(world_size=2)
 def test_tp_auto_plan_more_families_match_one_process():
     _tp_families(MORE)
+
+
+# ----------------------------------------------------------------------------- dropout, shared layers, errors
+def _fsdp_check(family: str, dropout: float, fsdp_unit="auto") -> float:
+    """FSDP over 2 ranks (each its half of every batch) against one process that replays, for each rank's half,
+    the random state every rank starts the step from (ranks are seeded alike): the same dropout masks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = M.build(family, dropout=dropout)
+    ref = copy.deepcopy(model)
+    batches = [M.inputs(family, rows=2 * world, seed=20 + i) for i in range(2)]
+    torch.manual_seed(7)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for batch in batches:
+        state = torch.get_rng_state()
+        for r in range(world):
+            torch.set_rng_state(state)
+            (M.loss_of(ref, M.select(batch, slice(2 * r, 2 * r + 2))) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    _parallelize(model, world, 1, fsdp_unit)
+    torch.manual_seed(7)
+    _train(model, [M.select(b, slice(2 * rank, 2 * rank + 2)) for b in batches])
+    ref_params = dict(ref.named_parameters())
+    return max((_full(p.detach()) - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters())
+
+
+@distributed(world_size=2)
+def test_fsdp_keeps_each_ranks_dropout_stream_and_shares_albert_layer_across_units():
+    from transformers.models.albert.modeling_albert import AlbertLayer
+
+    # Dropout 0.1 in train mode: FSDP draws nothing from the random stream, so each rank's masks are those one
+    # process draws for that rank's rows from the same seed.
+    worst = _fsdp_check("bert_seqcls", 0.1)
+    assert worst < 1e-5, worst
+    # ALBERT applies its one AlbertLayer at every depth: as an FSDP unit it is gathered, used and reduced twice
+    # per step (the gradient is the sum of both uses), with dropout on.
+    worst = _fsdp_check("albert", 0.1, fsdp_unit={AlbertLayer})
+    assert worst < 1e-5, worst
+
+
+@distributed(world_size=2)
+def test_tp_with_dropout_warns_and_is_exact_in_eval_mode():
+    # Training mode: dropout inside sharded attention acts on each rank's heads with the same random stream,
+    # not the masks one device draws: the plan says so (summary and warning) instead of staying silent.
+    model = M.build("bert_seqcls", dropout=0.1)
+    with pytest.warns(UserWarning, match=r"dropout in training mode inside tensor-parallel modules: bert\.encoder"):
+        summary = _parallelize(model, 1, 2)
+    assert any(line.startswith("dropout: ") for line in summary["tp_summary"])
+    # Eval mode (validation, or dropout switched off): exact, with the same configured model.
+    model = M.build("bert_seqcls", dropout=0.1).eval()
+    ref = copy.deepcopy(model)
+    _parallelize(model, 1, 2)
+    batches = [M.inputs("bert_seqcls", rows=2, seed=30 + i) for i in range(2)]
+    _train(ref, batches)
+    _train(model, batches)
+    ref_params = dict(ref.named_parameters())
+    worst = max((_full(p.detach()) - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters())
+    assert worst < 1e-5, worst
+
+
+@distributed(world_size=2)
+def test_clip_scalar_parameter_is_refused_by_fully_shard_with_the_fix():
+    model = M.build("clip")
+    with pytest.raises(ValueError, match=r"'logit_scale' is 0-dim.*ignored_params"):
+        _parallelize(model, 2, 1)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -658,8 +659,42 @@ def auto_tp_plan(
                 f"{f}: Linear {d_in} -> {d_out} outside the blocks, not an LM head (not tied to the token "
                 f"embedding and not its shape), left replicated"
             )
+    _note_dropout(modules, [a.fqn for a in attns.values() if a.sharded and len(a.q) > 1], mlps, lines)
     final = {k: (v[0] if len(v) == 1 else tuple(v)) for k, v in plan.items()}
     return (final, lines) if return_summary else final
+
+
+def _dropout_p(m: nn.Module) -> float:
+    """The largest dropout probability ``m`` may apply: its ``nn.Dropout`` modules, or float attributes named
+    ``*dropout*`` (Hugging Face attention passes ``self.dropout``/``attention_dropout`` to its kernel)."""
+    ps = [d.p for d in m.modules() if isinstance(d, nn.Dropout)]
+    ps += [v for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)]
+    return max(ps, default=0.0)
+
+
+def _note_dropout(modules: dict[str, nn.Module], attns: list[str], mlps: dict, lines: list[str]) -> None:
+    """Say (summary line and a warning) where dropout in training mode meets tensor-parallel local shards.
+
+    Inside a sharded attention or MLP the activations are each rank's local columns (its heads, its part of
+    the MLP hidden size), plain tensors: every rank, seeded alike, draws the same mask for its own columns. That
+    is valid dropout, but not the mask one device draws (and head groups on different ranks get equal masks),
+    so training is not bit-identical to one device. DTensor random ops do match one device (docs/dtensor.md).
+    """
+    found = [
+        (f, p)
+        for f in [*attns, *(m.fqn for m in mlps.values() if m.sharded)]
+        if modules[f].training and (p := _dropout_p(modules[f])) > 0
+    ]
+    if not found:
+        return
+    where = ", ".join(f"{f} (p={p:g})" for f, p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    text = (
+        f"dropout in training mode inside tensor-parallel modules: {where}. It applies to each rank's local shard "
+        "(its heads / MLP columns) with the same random stream on every rank: valid dropout, but not the masks one "
+        "device draws, so results are not bit-identical to one device (eval mode or dropout 0 are)"
+    )
+    lines.append(f"dropout: {text}")
+    warnings.warn(f"auto_tp_plan: {text}", stacklevel=3)
 
 
 def _is_norm(m: nn.Module) -> bool:

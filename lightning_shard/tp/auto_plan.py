@@ -687,7 +687,8 @@ def _note_dropout(modules: dict[str, nn.Module], attns: list[str], mlps: dict, l
     ]
     if not found:
         return
-    where = ", ".join(f"{f} (p={p:g})" for f, p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    where = ", ".join(f"{f} (p={p:g})" for f, p in found[:3])
+    where += f" and {len(found) - 3} more" if len(found) > 3 else ""
     text = (
         f"dropout in training mode inside tensor-parallel modules: {where}. It applies to each rank's local shard "
         "(its heads / MLP columns) with the same random stream on every rank: valid dropout, but not the masks one "

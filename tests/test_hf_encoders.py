@@ -107,7 +107,7 @@ def _fsdp_reference(family: str, world: int):
     return {n: p.detach() for n, p in model.named_parameters()}, torch.stack(per_rank).mean()
 
 
-def _fit_and_compare(family: str) -> None:
+def _fit_and_compare(family: str) -> tuple[float, float]:
     import lightning as L
 
     module = _lit(family)
@@ -133,8 +133,9 @@ def _fit_and_compare(family: str) -> None:
     assert moved > 1e-3, (family, moved)  # the steps changed the weights, so the comparison means something
     worst = max(((_full(ours[n].detach()) - ref[n]).abs().max().item(), n) for n in ref)
     assert worst[0] < 1e-5, (family, worst)
-    val = trainer.callback_metrics["val_loss"]
-    assert abs(val.item() - ref_val.item()) < 1e-5, (family, val, ref_val)
+    val_diff = abs(trainer.callback_metrics["val_loss"].item() - ref_val.item())
+    assert val_diff < 1e-5, (family, val_diff)
+    return worst[0], val_diff
 
 
 def _fsdp_families(families) -> None:
@@ -271,3 +272,21 @@ def test_clip_scalar_parameter_is_refused_by_fully_shard_with_the_fix():
     model = M.build("clip")
     with pytest.raises(ValueError, match=r"'logit_scale' is 0-dim.*ignored_params"):
         _parallelize(model, 2, 1)
+
+
+if __name__ == "__main__":
+    # The measurements in docs/huggingface.md:
+    #   torchrun --nproc_per_node 2 -m tests.test_hf_encoders
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for name in [*DEFAULT, *MORE]:
+        fsdp, val = _fit_and_compare(name)
+        tp = _tp_check(name)
+        tp_drop = _tp_check(name, dropout=0.1)
+        fsdp_drop = _fsdp_check(name, 0.1)
+        if dist.get_rank() == 0:
+            print(f"| {name} | {fsdp:.1e} | {val:.1e} | {tp:.1e} | {fsdp_drop:.1e} | {tp_drop:.1e} |", flush=True)
+    dist.destroy_process_group()

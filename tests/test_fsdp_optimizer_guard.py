@@ -89,3 +89,23 @@ def test_fabric_optimizer_built_after_forward_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"holds the unsharded parameter '[\w.]+'.*Build the optimizer before"):
         fabric.setup_optimizers(opt)
     fabric.backward(loss)
+
+
+@distributed(world_size=2)
+def test_trainer_optimizer_built_after_a_forward_in_configure_optimizers_is_refused():
+    # The one way the Trainer reaches the hazard: a forward with grad inside configure_optimizers (after
+    # sharding, before the optimizer is built from self.parameters()).
+    from tests.lightning_models import LitGPT
+
+    class ForwardFirst(LitGPT):
+        def configure_optimizers(self):
+            x, _ = batches(1, 2)[0]
+            self(x).sum()  # e.g. probing output shapes, with grad enabled
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="shard_fsdp_tp", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"SGD param group 0 holds the unsharded parameter '[\w.]+'"):
+        trainer.fit(ForwardFirst())

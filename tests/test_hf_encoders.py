@@ -290,3 +290,24 @@ if __name__ == "__main__":
         if dist.get_rank() == 0:
             print(f"| {name} | {fsdp:.1e} | {val:.1e} | {tp:.1e} | {fsdp_drop:.1e} | {tp_drop:.1e} |", flush=True)
     dist.destroy_process_group()
+
+
+class _ComputedPositions(torch.nn.Embedding):
+    def forward(self, ids):  # looks up indices it computes itself
+        return super().forward(torch.arange(ids.shape[-1]))
+
+
+def test_plan_leaves_embeddings_it_cannot_serve_replicated_with_whatever_shares_their_weight():
+    from lightning_shard.tp import auto_tp_plan
+
+    tied = torch.nn.ModuleDict({"pos": _ComputedPositions(16, 8), "tok": torch.nn.Embedding(16, 8)})
+    tied["head"] = torch.nn.Linear(8, 16, bias=False)
+    tied["head"].weight = tied["tok"].weight = tied["pos"].weight
+    plan, summary = auto_tp_plan(tied, 2, return_summary=True)
+    assert not {"pos", "tok", "head"} & set(plan), plan  # one placement for the one weight: replicated
+    assert "tok: embedding left replicated (its weight is shared with pos, which stays replicated)" in summary
+    plan, summary = auto_tp_plan(M.build("bart"), 2, return_summary=True)
+    assert "model.encoder.embed_positions" not in plan and "model.shared" in plan and "lm_head" in plan
+    plan, summary = auto_tp_plan(M.build("deberta_v2"), 2, return_summary=True)
+    assert "deberta.encoder.rel_embeddings: embedding left replicated (DebertaV2Encoder reads " \
+        "self.rel_embeddings.weight directly)" in summary  # fmt: skip

@@ -27,7 +27,12 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   ``RowwiseParallel`` on down; d_h must divide by the TP size. In a block with an attention, an up and a
   down that are the only Linears of sibling modules also count (BERT's ``intermediate``/``output``).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
-  what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``).
+  what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``). Left replicated, with
+  whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions)
+  and an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+* Other Linear children of a sharded attention whose output width is the query's (DeBERTa-v2's
+  ``pos_key_proj``) are ``ColwiseParallel`` like q. Training-mode dropout inside sharded modules is reported
+  (summary line and warning): it acts on each rank's local columns, not as on one device.
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
   ``out_features`` is an embedding's vocabulary: ``ColwiseParallel``, output ``Replicate()`` or, with
   ``loss_parallel=True``, a ``Shard(-1)`` DTensor for :func:`loss_parallel`.
@@ -491,10 +496,10 @@ def auto_tp_plan(
     # Embeddings a vocabulary-parallel style cannot serve (their own forward looks up indices it computes, or
     # their weight is read directly), and everything sharing their weight, stay replicated.
     unshardable = {e: why for e in embeddings if (why := _embedding_unshardable(e, modules))}
-    kept_weights = {id(modules[e].weight) for e in unshardable}
+    kept_weights = {id(modules[e].weight): e for e in unshardable}
     for e in embeddings:
         if e not in unshardable and id(modules[e].weight) in kept_weights:
-            unshardable[e] = f"its weight is shared with {next(iter(unshardable))}, which stays replicated"
+            unshardable[e] = f"its weight is shared with {kept_weights[id(modules[e].weight)]}, which stays replicated"
     vocab_emb = max(embeddings, key=lambda e: modules[e].num_embeddings, default=None)
     tied = {id(modules[e].weight): e for e in embeddings}
     heads = [

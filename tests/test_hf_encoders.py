@@ -209,6 +209,24 @@ def test_tp_auto_plan_more_families_match_one_process():
     _tp_families(MORE)
 
 
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_fsdp2_x_tp2_matches_one_process():
+    # Every data-parallel rank sees the same batches, so the averaged gradients equal one process's.
+    for family in ("deberta_v2", "bart", "albert", "whisper"):
+        model = M.build(family)
+        ref = copy.deepcopy(model)
+        batches = [M.inputs(family, rows=2, seed=10 + i) for i in range(2)]
+        _train(ref, batches)
+        _parallelize(model, 2, 2)
+        _train(model, batches)
+        ref_params = dict(ref.named_parameters())
+        worst = max(
+            (_full(p.detach()) - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()
+        )
+        assert worst < 1e-5, (family, worst)
+
+
 # ----------------------------------------------------------------------------- dropout, shared layers, errors
 def _fsdp_check(family: str, dropout: float, fsdp_unit="auto") -> float:
     """FSDP over 2 ranks (each its half of every batch) against one process that replays, for each rank's half,

@@ -58,7 +58,7 @@ from lightning_shard.checkpoint import (
     set_optimizer_state_dict,
 )
 from lightning_shard.checkpoint.state_dict import check_param_groups
-from lightning_shard.fsdp import FSDPModule
+from lightning_shard.fsdp import FSDPModule, check_optimizer_params
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
@@ -267,6 +267,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        check_optimizer_params(optimizer)  # built between a forward and its backward: names the parameter
         plain = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if not isinstance(p, DTensor)]
         if plain:
             raise ValueError(

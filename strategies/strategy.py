@@ -53,6 +53,7 @@ from lightning_shard.checkpoint import (
 )
 from lightning_shard.checkpoint.state_dict import check_param_groups
 from lightning_shard.comm import broadcast_object
+from lightning_shard.fsdp import check_optimizer_params
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
@@ -583,6 +584,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:  # e.g. a forward with grad inside configure_optimizers
+            check_optimizer_params(getattr(optimizer, "_optimizer", optimizer))
 
     def model_to_device(self) -> None:
         pass  # parameters are placed by fully_shard; buffers in _parallelize

@@ -9,6 +9,7 @@ Example::
 """
 
 from lightning_shard.fsdp.api import FSDPModule, UnshardHandle, fully_shard, summon_full_params
+from lightning_shard.fsdp.optimizer_guard import check_optimizer_params
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "FSDPModule",
     "UnshardHandle",
     "summon_full_params",
+    "check_optimizer_params",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

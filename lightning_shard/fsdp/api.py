@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data, same_storage
+from lightning_shard.fsdp.optimizer_guard import install_step_guard
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.param_group import FSDPParamGroup, MeshInfo
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -152,6 +153,7 @@ def fully_shard(
         fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     """
     _check_arguments(mesh, reshard_after_forward, mp_policy, offload_policy)
+    install_step_guard()
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     _check_modules(modules)
     mesh = mesh if mesh is not None else _default_mesh(modules)

@@ -29,6 +29,7 @@ from torch import nn
 from lightning_shard import comm
 from lightning_shard.device import handle_for, same_storage
 from lightning_shard.fsdp import buffers, collectives
+from lightning_shard.fsdp.optimizer_guard import mark_unsharded
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from lightning_shard.fsdp.post_forward import PostForwardShard
@@ -315,6 +316,7 @@ class FSDPParamGroup:
                 offset = int(self.layout.unsharded_offsets[i])
                 data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
                 fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
+                mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
             views.append(fp.unsharded)
         return views
 

@@ -27,7 +27,12 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   ``RowwiseParallel`` on down; d_h must divide by the TP size. In a block with an attention, an up and a
   down that are the only Linears of sibling modules also count (BERT's ``intermediate``/``output``).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
-  what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``).
+  what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``). Left replicated, with
+  whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions)
+  and an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+* Other Linear children of a sharded attention whose output width is the query's (DeBERTa-v2's
+  ``pos_key_proj``) are ``ColwiseParallel`` like q. Training-mode dropout inside sharded modules is reported
+  (summary line and warning): it acts on each rank's local columns, not as on one device.
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
   ``out_features`` is an embedding's vocabulary: ``ColwiseParallel``, output ``Replicate()`` or, with
   ``loss_parallel=True``, a ``Shard(-1)`` DTensor for :func:`loss_parallel`.
@@ -53,6 +58,8 @@ Example::
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -82,9 +89,9 @@ KV_HEAD_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head
 #: (``n_heads * head_dim``, what a forward reshapes the attention output with).
 HIDDEN_ATTRS = ("hidden_size", "embed_dim", "n_embd", "d_model", "dim", "all_head_size", "inner_dim")
 
-_Q = {"q_proj", "q", "wq", "query", "q_lin", "to_q"}
-_K = {"k_proj", "k", "wk", "key", "k_lin", "to_k"}
-_V = {"v_proj", "v", "wv", "value", "v_lin", "to_v"}
+_Q = {"q_proj", "q", "wq", "query", "q_lin", "to_q", "query_proj"}
+_K = {"k_proj", "k", "wk", "key", "k_lin", "to_k", "key_proj"}
+_V = {"v_proj", "v", "wv", "value", "v_lin", "to_v", "value_proj"}
 _FUSED = {"qkv", "qkv_proj", "c_attn", "wqkv", "Wqkv", "query_key_value", "in_proj"}
 _O = {"o_proj", "out_proj", "wo", "o", "c_proj", "proj", "dense", "out", "out_lin", "to_out"}
 _DOWN = {"down_proj", "w2", "fc2", "c_proj", "linear2", "dense_4h_to_h", "down", "fc_out", "wo"}
@@ -99,6 +106,9 @@ class _Attn:
     kv_heads: int | None = None
     divide: list[str] = field(default_factory=list)
     head_tables: list[str] = field(default_factory=list)  # per-head embeddings (T5's relative_attention_bias)
+    # Other Linear children projecting into the query's head space (DeBERTa-v2's pos_key_proj/pos_query_proj):
+    # the forward reshapes their output with the divided head count, so they are split like q.
+    head_projections: list[str] = field(default_factory=list)
     sharded: bool = False
     reason: str = ""
     # The module holds only the projections (and per-head tables), so its input can be prepared once. A whole
@@ -198,7 +208,10 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
     a.head_tables = [
         _join(fqn, n) for n, c in m.named_children() if isinstance(c, nn.Embedding) and c.embedding_dim == a.heads
     ]
-    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables])
+    a.head_projections = [
+        _join(fqn, n) for n, c in lin.items() if n not in (q, k, v, o) and linear_dims(c)[1] == q_width
+    ]
+    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables, *a.head_projections])
     a.sharded = True
     return a
 
@@ -247,6 +260,41 @@ def _find_sibling_mlp(fqn: str, m: nn.Module, claimed: set[str]) -> _Mlp | None:
         if _join(fqn, c, n) not in claimed
     }
     return _match_mlp(fqn, lin, False)
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _embedding_unshardable(fqn: str, modules: dict[str, nn.Module]) -> str | None:
+    """Why the ``RowwiseParallel`` embedding style cannot serve the embedding ``fqn``, or None.
+
+    The style turns the module's first input into a DTensor and its output back; a vocabulary-sharded weight
+    used any other way meets plain tensors in the model's own code (an error in forward at best). Two such
+    ways are visible in the source: a subclass whose ``forward`` does not pass its first argument straight to
+    ``super().forward`` / ``F.embedding`` (BART's learned positions compute their own position ids), and a
+    parent class reading ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+    """
+    m = modules[fqn]
+    forward = type(m).forward
+    if forward is not nn.Embedding.forward:
+        first = _first_arg(m)
+        src = _source(forward)
+        passes = first is not None and re.search(
+            rf"(super\(\)\.forward|F\.embedding|nn\.functional\.embedding)\(\s*{first}\b", src
+        )
+        if not passes:
+            return f"{type(m).__name__}.forward does not pass its input straight to the embedding lookup"
+    parent, _, name = fqn.rpartition(".")
+    owner = modules.get(parent)
+    if owner is not None and any(
+        re.search(rf"self\.{name}\.weight\b", _source(cls)) for cls in type(owner).__mro__ if cls is not nn.Module
+    ):
+        return f"{type(owner).__name__} reads self.{name}.weight directly"
+    return None
 
 
 def _first_arg(m: nn.Module) -> str | None:
@@ -399,7 +447,7 @@ def auto_tp_plan(
         a = _find_attention(fqn, m, tp, modules)
         if a is not None:
             attns[fqn] = a
-    claimed = {f for a in attns.values() for f in [*a.q, a.o]}
+    claimed = {f for a in attns.values() for f in [*a.q, a.o, *a.head_projections]}
     for fqn, m in modules.items():
         if fqn in inside_mha or fqn in attns or isinstance(m, nn.MultiheadAttention):
             continue
@@ -445,6 +493,13 @@ def auto_tp_plan(
     embeddings = [
         f for f, m in modules.items() if isinstance(m, nn.Embedding) and f not in inside_mha and not inside(f, attns)
     ]
+    # Embeddings a vocabulary-parallel style cannot serve (their own forward looks up indices it computes, or
+    # their weight is read directly), and everything sharing their weight, stay replicated.
+    unshardable = {e: why for e in embeddings if (why := _embedding_unshardable(e, modules))}
+    kept_weights = {id(modules[e].weight): e for e in unshardable}
+    for e in embeddings:
+        if e not in unshardable and id(modules[e].weight) in kept_weights:
+            unshardable[e] = f"its weight is shared with {kept_weights[id(modules[e].weight)]}, which stays replicated"
     vocab_emb = max(embeddings, key=lambda e: modules[e].num_embeddings, default=None)
     tied = {id(modules[e].weight): e for e in embeddings}
     heads = [
@@ -454,6 +509,7 @@ def auto_tp_plan(
         and f not in in_block
         and f not in inside_mha
         and f not in claimed
+        and id(m.weight) not in kept_weights
         and (
             id(m.weight) in tied
             or (
@@ -494,6 +550,9 @@ def auto_tp_plan(
     # ---- embeddings
     for e in embeddings:
         emb = modules[e]
+        if e in unshardable:
+            lines.append(f"{e}: embedding left replicated ({unshardable[e]})")
+            continue
         add(e, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2) if sp else Replicate()))
         out = "reduce-scattered to the sequence dim" if sp else "all-reduced"
         lines.append(f"{e}: RowwiseParallel (vocab-parallel embedding, {emb.num_embeddings} rows; output {out})")
@@ -537,6 +596,9 @@ def auto_tp_plan(
             lines.append(f"{n}: ColwiseParallel")
         add(a.o, o_style)
         lines.append(f"{a.o}: RowwiseParallel")
+        for n in a.head_projections:
+            add(n, ColwiseParallel())
+            lines.append(f"{n}: ColwiseParallel (projects into the query's head space, split like the heads)")
         for t in a.head_tables:
             add(t, ColwiseParallel(input_layouts=Replicate()))
             lines.append(f"{t}: ColwiseParallel (per-head table, columns split like the heads)")
@@ -602,8 +664,43 @@ def auto_tp_plan(
                 f"{f}: Linear {d_in} -> {d_out} outside the blocks, not an LM head (not tied to the token "
                 f"embedding and not its shape), left replicated"
             )
+    _note_dropout(modules, [a.fqn for a in attns.values() if a.sharded and len(a.q) > 1], mlps, lines)
     final = {k: (v[0] if len(v) == 1 else tuple(v)) for k, v in plan.items()}
     return (final, lines) if return_summary else final
+
+
+def _dropout_p(m: nn.Module) -> float:
+    """The largest dropout probability ``m`` may apply: its ``nn.Dropout`` modules, or float attributes named
+    ``*dropout*`` (Hugging Face attention passes ``self.dropout``/``attention_dropout`` to its kernel)."""
+    ps = [d.p for d in m.modules() if isinstance(d, nn.Dropout)]
+    ps += [v for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)]
+    return max(ps, default=0.0)
+
+
+def _note_dropout(modules: dict[str, nn.Module], attns: list[str], mlps: dict, lines: list[str]) -> None:
+    """Say (summary line and a warning) where dropout in training mode meets tensor-parallel local shards.
+
+    Inside a sharded attention or MLP the activations are each rank's local columns (its heads, its part of
+    the MLP hidden size), plain tensors: every rank, seeded alike, draws the same mask for its own columns. That
+    is valid dropout, but not the mask one device draws (and head groups on different ranks get equal masks),
+    so training is not bit-identical to one device. DTensor random ops do match one device (docs/dtensor.md).
+    """
+    found = [
+        (f, p)
+        for f in [*attns, *(m.fqn for m in mlps.values() if m.sharded)]
+        if modules[f].training and (p := _dropout_p(modules[f])) > 0
+    ]
+    if not found:
+        return
+    where = ", ".join(f"{f} (p={p:g})" for f, p in found[:3])
+    where += f" and {len(found) - 3} more" if len(found) > 3 else ""
+    text = (
+        f"dropout in training mode inside tensor-parallel modules: {where}. It applies to each rank's local shard "
+        "(its heads / MLP columns) with the same random stream on every rank: valid dropout, but not the masks one "
+        "device draws, so results are not bit-identical to one device (eval mode or dropout 0 are)"
+    )
+    lines.append(f"dropout: {text}")
+    warnings.warn(f"auto_tp_plan: {text}", stacklevel=3)
 
 
 def _is_norm(m: nn.Module) -> bool:

@@ -1,0 +1,69 @@
+"""Refuse an optimizer that holds an FSDP unit's *unsharded* parameters instead of its sharded ones.
+
+Between a forward with grad and its backward the root unit keeps its parameters unsharded (its backward
+would all-gather them again right away; torch's FSDP2 does the same), so ``model.parameters()`` then yields
+temporary unsharded tensors. An optimizer built at that moment updates those temporaries; after backward the
+modules point at the sharded parameters again, which never change: the model silently does not train (for
+the root's parameters: embeddings, final norm, LM head). torch's FSDP2 has the same hazard and no guard.
+
+``check_optimizer_params(optimizer)`` raises a ``ValueError`` naming the parameter and the fix;
+``fully_shard`` installs it once as a global optimizer step pre-hook, so every ``optimizer.step()`` checks
+before it updates anything (plain scripts, Fabric and the Trainer alike), and the strategies also call it
+when they set an optimizer up.
+
+Example::
+
+    fully_shard(model)
+    loss = model(x).sum()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)   # too late: the root's parameters are unsharded
+    loss.backward()
+    opt.step()                                          # ValueError: ... holds the unsharded parameter 'weight' ...
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+_MARK = "_lightning_shard_unsharded_fqn"
+_installed = False
+
+
+def mark_unsharded(param: torch.Tensor, fqn: str) -> None:
+    """Tag ``param`` as the temporary unsharded form of the FSDP parameter ``fqn``."""
+    setattr(param, _MARK, fqn)
+
+
+def unsharded_fqn(param: torch.Tensor) -> str | None:
+    """The FSDP parameter name if ``param`` is an unsharded temporary, else None."""
+    return getattr(param, _MARK, None)
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if ``optimizer`` holds an unsharded FSDP parameter (see the module docstring).
+
+    Example: ``check_optimizer_params(torch.optim.AdamW(model.parameters()))`` -> None when built in time.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            fqn = unsharded_fqn(p)
+            if fqn is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} param group {i} holds the unsharded parameter {fqn!r} of an FSDP "
+                    f"unit (shape {tuple(p.shape)}), not its sharded parameter: the optimizer was built from "
+                    "model.parameters() between a forward with grad and its backward, while the root unit keeps its "
+                    "parameters unsharded. It would update a temporary copy and the model would not train. Build "
+                    "the optimizer before the first forward (or after backward, or after model.reshard())."
+                )
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    check_optimizer_params(optimizer)
+
+
+def install_step_guard() -> None:
+    """Register ``check_optimizer_params`` as a global optimizer step pre-hook (once per process)."""
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_step_pre_hook)
+        _installed = True

@@ -7,7 +7,8 @@ the growth of the process's peak RSS from just before the model is built; on CUD
 
     python benchmarks/fsdp_vs_torch.py --world-size 2 --steps 8 --json results.json
 
-``--json`` writes ``{"ours": {...}, "torch_fsdp2": {...}, "ddp": {...}}`` with ``step_s``, ``peak_mb`` and
+``--json`` writes ``{"ours": {...}, "torch_fsdp2": {...}, "ddp": {...}}`` with ``step_s``, ``step_cpu_s`` (the
+rank's CPU time per step, all its threads: compute, gloo's, numba's; median), ``peak_mb`` and
 ``comm_bytes`` each (comm bytes per rank and step: the tensors handed to the collectives, i.e. all-gather
 inputs (this rank's shard) + reduce-scatter inputs + all-reduce tensors, as ``lightning_shard.comm`` counts),
 plus on CPU ``library_mb`` (the RSS that loading the engine itself adds: for ours the numba kernels and
@@ -131,12 +132,12 @@ def _worker(rank: int, world: int, port: int, variant: str, args, out_dir: str) 
     model, counter = _setup(variant, model, world, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
-    times, bytes_per_step = [], []
+    times, cpu_times, bytes_per_step = [], [], []
     for step in range(args.steps + args.warmup):
         x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with counter() as c:
             loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
             loss.backward()
@@ -146,10 +147,12 @@ def _worker(rank: int, world: int, port: int, variant: str, args, out_dir: str) 
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)  # this rank's CPU time, all its threads (gloo's too)
             bytes_per_step.append(c.total())
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - base_rss
     result = {
         "step_s": statistics.median(times),
+        "step_cpu_s": statistics.median(cpu_times),
         "peak_mb": peak,
         "library_mb": library_mb,
         "model_peak_mb": peak - library_mb,

@@ -6,7 +6,9 @@ Reports the median step time (a callback times ``on_train_batch_start`` .. ``on_
 forward, backward and optimizer step, after ``--warmup`` steps) and the peak memory per rank (CPU: growth of
 the process's peak RSS from just before the model is built in ``configure_model``; CUDA:
 ``torch.cuda.max_memory_allocated``), as ratios ours / other. ``process_peak_mb`` is the whole process's peak
-RSS (libraries, Lightning and everything loaded before the model included).
+RSS (libraries, Lightning and everything loaded before the model included). Each repeat also prints the
+step's CPU time (the rank's CPU time over the same interval, all its threads, gloo's included: it moves less
+with the machine's load than the wall time; ``step_cpu_s_runs`` in the JSON).
 
     python benchmarks/trainer_vs_lightning.py --devices 2 --repeats 3 --json results.json
 
@@ -158,7 +160,8 @@ def _callback(args, out: str):
         def __init__(self) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
-            self._t0 = 0.0
+            self.cpu_times: list[float] = []  # this rank's CPU time, all its threads (gloo's too)
+            self._t0 = self._c0 = 0.0
 
         def _sync(self):
             if args.accelerator == "cuda":
@@ -166,11 +169,12 @@ def _callback(args, out: str):
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._sync()
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self._sync()
             self.times.append(time.perf_counter() - self._t0)
+            self.cpu_times.append(time.process_time() - self._c0)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss.detach().float().cpu()))
 
@@ -178,13 +182,15 @@ def _callback(args, out: str):
             cuda = pl_module.device.type == "cuda"
             peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - pl_module.base_rss
             step = statistics.median(self.times[args.warmup :])
-            mine = torch.tensor([step, peak, _peak_rss_mb()], dtype=torch.float64, device=pl_module.device)
-            every = trainer.strategy.all_gather(mine).reshape(-1, 3).cpu()
+            cpu = statistics.median(self.cpu_times[args.warmup :])
+            mine = torch.tensor([step, peak, _peak_rss_mb(), cpu], dtype=torch.float64, device=pl_module.device)
+            every = trainer.strategy.all_gather(mine).reshape(-1, 4).cpu()
             if trainer.global_rank == 0:
                 result = {
                     "step_s": float(every[:, 0].max()),
                     "peak_mb": float(every[:, 1].max()),
                     "process_peak_mb": float(every[:, 2].max()),
+                    "step_cpu_s": float(every[:, 3].max()),
                     "per_rank": every.tolist(),
                     "steps_timed": len(self.times) - args.warmup,
                     "losses": self.losses,  # rank 0's training loss per step, to check the variants agree
@@ -254,7 +260,8 @@ def main_compare(args) -> dict:
                 r = json.loads(Path(out).read_text())
                 runs[variant].append(r)
                 print(
-                    f"repeat {rep} {variant:15s} step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mb']:8.1f} MB  "
+                    f"repeat {rep} {variant:15s} step {r['step_s'] * 1e3:8.1f} ms  "
+                    f"CPU {r['step_cpu_s'] * 1e3:8.1f} ms  peak {r['peak_mb']:8.1f} MB  "
                     f"process peak {r['process_peak_mb']:8.1f} MB  "
                     f"(wall {time.time() - t0:.0f}s, load {os.getloadavg()[0]:.1f})",
                     flush=True,
@@ -265,6 +272,7 @@ def main_compare(args) -> dict:
             "peak_mb": statistics.median(r["peak_mb"] for r in rs),
             "process_peak_mb": statistics.median(r["process_peak_mb"] for r in rs),
             "step_s_runs": [r["step_s"] for r in rs],
+            "step_cpu_s_runs": [r["step_cpu_s"] for r in rs],
             "peak_mb_runs": [r["peak_mb"] for r in rs],
             "losses": rs[0].get("losses"),
         }

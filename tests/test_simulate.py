@@ -83,6 +83,35 @@ def test_fully_shard_step_as_rank_3_of_8_counts_collectives_and_shards_memory():
     assert all(p.device.type == world.device_type for p in model.parameters())
 
 
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16_compute"])
+def test_materialising_a_sharded_model_never_allocates_an_unsharded_group(mp):
+    """``to_empty`` after meta init re-adopts each group's new local tensors into a new flat shard; the
+    unsharded buffer gets bytes only at the first all-gather, so setup holds shards only."""
+    from lightning_shard.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else MixedPrecisionPolicy()
+    with simulated_world(8, rank=3) as world:
+        mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
+        with torch.device("meta"):
+            model = make_model(n_blocks=3)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        world.memory.reset_peaks()
+        model.to_empty(device=world.device)
+        peak = world.memory.peak[world.device_type]
+        after_setup = world.memory.live[world.device_type]
+        groups = [m._fsdp_state.group for m in [*model.blocks, model]]
+        model(torch.randint(0, VOCAB, (2, 6), device=world.device)).sum().backward()  # the buffers still work
+    shard_bytes = [g.shard_flat.numel() * g.shard_flat.element_size() for g in groups]
+    smallest_unsharded = min(g.layout.unsharded_numel * g.unsharded_flat.element_size() for g in groups)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert after_setup == sum(shard_bytes) + buffer_bytes
+    # while a group is re-adopted its old local tensors and its new flat shard are both alive: at most one
+    # more shard; an unsharded group (8x a shard here) on top would exceed it
+    assert peak <= after_setup + max(shard_bytes) < after_setup + smallest_unsharded, (peak, shard_bytes)
+
+
 def test_cli_reports_memory_and_collectives_and_rejects_bad_requests(tmp_path, capsys):
     from lightning_shard.simulate.__main__ import main
 

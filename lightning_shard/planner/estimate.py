@@ -391,7 +391,7 @@ def estimate(
     on_device = not cpu_offload
     head_params = {id(p): p for fqn in profile.head for p in model.get_submodule(fqn).parameters(recurse=False)}
     head_grads = sum(local.get(i, p.shape).numel() for i, p in head_params.items() if p.requires_grad) * c_size
-    setup = _setup_peak(model, blocks, groups, layouts, unsharded, m_size, on_device)
+    setup = _setup_peak(model, blocks, groups, layouts, m_size, on_device)
     phases = _phase_peaks(
         PhaseTerms(
             params=params if on_device else 0,
@@ -472,13 +472,13 @@ def estimate(
     )
 
 
-def _setup_peak(model, blocks, groups, layouts, unsharded, m_size: int, on_device: bool) -> int:
+def _setup_peak(model, blocks, groups, layouts, m_size: int, on_device: bool) -> int:
     """Peak bytes of materialising the sharded model (``to_empty``), buffers aside. ``Module._apply`` visits
-    children before a module's own parameters, so each block is rebuilt in turn (its new local tensors, its
-    flat shard, and the unsharded buffer ``rebuild_after_apply`` allocates and frees), while the root's
+    children before a module's own parameters, so each block is rebuilt in turn (its new local tensors and its
+    flat shard; the unsharded buffer gets its bytes only at the first all-gather), while the root's
     parameters in modules registered before the first block (the embedding) already have their new local
     tensors; the root is rebuilt last, beside every block's shard. Under CPU offload the shards go to the
-    host, the local tensors and unsharded buffers are on the device."""
+    host, the local tensors are on the device."""
     flats = [lay.shard_numel * m_size if lay is not None and on_device else 0 for lay in layouts]
     locals_ = [sum(_local_sizes(lay)) * m_size if lay is not None else 0 for lay in layouts]
     names = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
@@ -486,16 +486,20 @@ def _setup_peak(model, blocks, groups, layouts, unsharded, m_size: int, on_devic
     ancestors = {id(m) for m in model.modules() if any(b is m or _contains(m, b) for b in blocks[:1])}
     before = {id(p) for m in model.modules() if first is not None and names[id(m)] < first
               and id(m) not in ancestors for p in m.parameters(recurse=False)}  # fmt: skip
+    # reset_parameters on a sharded parameter draws the whole tensor (lightning_shard.tensor.ops.random fills a
+    # full-size tensor, and redistributing it to this rank's part copies it once more): two full copies of the
+    # largest parameter beside every shard, measured on the simulator (tests/test_planner_simulator.py)
+    init = 2 * max((p.numel() for p in model.parameters()), default=0) * m_size if on_device else 0
     root_layout, root_params = layouts[-1], groups[-1]
     early = 0
     if root_layout is not None:
         sizes = _local_sizes(root_layout)
         early = sum(n for p, n in zip(root_params, sizes) if id(p) in before) * m_size
-    peak = sum(flats) + locals_[-1] + unsharded[-1]  # the root, last
+    peak = max(sum(flats) + locals_[-1], sum(flats) + init)  # the root, last; then initialisation
     done = 0
     for i in range(len(blocks)):
         done += flats[i]
-        peak = max(peak, early + done + locals_[i] + unsharded[i])
+        peak = max(peak, early + done + locals_[i])
     return peak
 
 

@@ -99,6 +99,7 @@ class _Attn:
     kv_heads: int | None = None
     divide: list[str] = field(default_factory=list)
     head_tables: list[str] = field(default_factory=list)  # per-head embeddings (T5's relative_attention_bias)
+    head_norms: list[str] = field(default_factory=list)  # norms over head_dim inside (Qwen3's q_norm/k_norm)
     sharded: bool = False
     reason: str = ""
     # The module holds only the projections (and per-head tables), so its input can be prepared once. A whole
@@ -198,9 +199,43 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
     a.head_tables = [
         _join(fqn, n) for n, c in m.named_children() if isinstance(c, nn.Embedding) and c.embedding_dim == a.heads
     ]
-    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables])
+    head_dim = q_width // a.heads
+    tables = [t.rsplit(".", 1)[-1] for t in a.head_tables]
+    a.head_norms, other = _per_head_norms(m, fqn, [q, k, v, o, *tables], head_dim)
+    if other and set(lin) <= {q, k, v, o}:
+        # Parameters of the attention's own (not a Linear's) act on the activations between the projections,
+        # which TP splits by heads: one replicated copy on each rank would see only its heads and get a partial
+        # gradient (silently wrong training), or a whole-width norm would normalise over half the width.
+        a.reason = (
+            f"{other[0]} inside the attention acts on the head-split activations and is not a per-head norm "
+            f"(parameters of size head_dim {head_dim}), left replicated"
+        )
+        a.divide, a.head_norms = [], []
+        return a
+    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables, *a.head_norms])
     a.sharded = True
     return a
+
+
+def _per_head_norms(m: nn.Module, fqn: str, owned: list[str | None], head_dim: int) -> tuple[list[str], list[str]]:
+    """The attention module's parameters outside its projections and per-head tables (``owned``, child names):
+    ``(per_head_norms, others)``. A per-head norm (Qwen3's and Gemma 3's ``q_norm``/``k_norm``) is a norm child
+    whose parameters all have shape ``(head_dim,)``: it runs on each rank's heads alone, so TP keeps it with
+    replicated parameters and sums its gradient. ``others`` describes every other parameter, e.g.
+    ``"q_norm (weight (64,))"`` for OLMo 2's norm over the whole projection width."""
+    norms: list[str] = []
+    others: list[str] = []
+    skip = {n for n in owned if n is not None}
+    for name, child in m.named_children():
+        params = list(child.named_parameters())
+        if name in skip or not params:
+            continue
+        if _is_norm(child) and all(tuple(p.shape) == (head_dim,) for _, p in params):
+            norms.append(_join(fqn, name))
+        else:
+            others.append(f"{name} ({', '.join(f'{n} {tuple(p.shape)}' for n, p in params)})")
+    others += [f"{n} {tuple(p.shape)}" for n, p in m.named_parameters(recurse=False)]
+    return norms, others
 
 
 def _holds_only(m: nn.Module, fqn: str, owned: list[str]) -> bool:
@@ -227,6 +262,11 @@ def _match_mlp(fqn: str, lin: dict[str, nn.Module], whole: bool) -> _Mlp | None:
 
 def _find_mlp(fqn: str, m: nn.Module) -> _Mlp | None:
     mlp = _match_mlp(fqn, {_join(fqn, n): c for n, c in _linear_children(m).items()}, True)
+    if mlp is not None and not mlp.whole_module:
+        # Other Linears beside the pair: the shapes alone do not say which way data flows between them
+        # (DeepSeek's low-rank attention has q_a_proj 64 -> 32 feeding q_b_proj 32 -> 64, the reverse of an
+        # MLP's up -> down), so this is no MLP (compact blocks holding an attention are matched separately).
+        return None
     if mlp is not None and mlp.whole_module:
         # Its input can be prepared for the MLP alone only if the module holds nothing else (OPT's decoder
         # layer holds fc1/fc2 next to the attention and the norms).
@@ -540,6 +580,11 @@ def auto_tp_plan(
         for t in a.head_tables:
             add(t, ColwiseParallel(input_layouts=Replicate()))
             lines.append(f"{t}: ColwiseParallel (per-head table, columns split like the heads)")
+        for t in a.head_norms:
+            # Its input is this rank's heads (a plain tensor): as a shard on a non-normalised dim, the norm runs
+            # locally and its replicated weight's gradient is summed over the TP ranks.
+            add(t, SequenceParallel(sequence_dim=-2, use_local_output=True))
+            lines.append(f"{t}: per-head norm, parameters replicated, gradient summed over tp")
 
     # ---- MLPs
     for mlp in mlps.values():

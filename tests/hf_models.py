@@ -217,6 +217,12 @@ _DECODERS: dict[str, tuple[str, str, dict]] = {
     # per-head attention sinks (a parameter of the attention module), experts with biases
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(_LLAMA_SIZES, **_GQA, **_SMALL_MOE, head_dim=16,
                 num_local_experts=4, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    # xIELU activation with learnable scalars, applied to the MLP's hidden activations; per-head q/k norms
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0,
+                bos_token_id=0)),
+    # RMSNorm on the attention output before o_proj and on the MLP's hidden activations
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0,
+               bos_token_id=0)),
 }  # fmt: skip
 
 

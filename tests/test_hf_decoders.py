@@ -1,14 +1,15 @@
 """Decoder LM families beyond Llama/Mistral/Qwen2/GPT-2/OPT (``hf_models.DECODER_FAMILIES``: Gemma 1-3, Phi,
 Phi-3, GPT-NeoX, Falcon, BLOOM, GPT-J, Qwen3, OLMo 1-2, StableLM, Granite, Mixtral, Qwen2-MoE, Qwen3-MoE, Cohere,
-DeepSeek-V3, gpt-oss) under FSDP through the Trainer and under ``auto_tp_plan`` TP, each compared with one
-process on the same data (tiny random-init configs, no downloads).
+DeepSeek-V3, gpt-oss, Apertus, BitNet) under FSDP through the Trainer and under ``auto_tp_plan`` TP, each
+compared with one process on the same data (tiny random-init configs, no downloads).
 
 What TP must not do on these is train wrong without an error: a replicated parameter that sees only this rank's
 heads (Qwen3's per-head ``q_norm``) gets a partial gradient; a per-head ``ModuleList`` of norms (StableLM) pairs
-rank 1's heads with heads 0-1's norms. The plan either handles such a part or leaves its attention replicated.
+rank 1's heads with heads 0-1's norms; Apertus' learnable activation scalars see half the MLP's hidden units.
+The plan either handles such a part or leaves its attention or MLP replicated.
 
-The default run covers Gemma 2, Mixtral, BLOOM and Phi-3 under FSDP and those plus Qwen3, StableLM, Falcon and
-DeepSeek-V3 under TP; ``slow`` runs every family both ways and FSDP 2 x TP 2 on four.
+The default run covers Gemma 2, Mixtral, BLOOM and Phi-3 under FSDP and those plus Qwen3, StableLM, Falcon,
+DeepSeek-V3 and Apertus under TP; ``slow`` runs every family both ways and FSDP 2 x TP 2 on five.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.harness import distributed
 pytest.importorskip("transformers")
 
 FSDP_DEFAULT = ("gemma2", "mixtral", "bloom", "phi3")
-TP_DEFAULT = (*FSDP_DEFAULT, "qwen3", "stablelm", "falcon", "deepseek_v3")
+TP_DEFAULT = (*FSDP_DEFAULT, "qwen3", "stablelm", "falcon", "deepseek_v3", "apertus")
 STEPS = 3
 
 # What auto TP leaves replicated, per family, as the part of a block (after "layers.<i>.") and why.
@@ -44,6 +45,8 @@ REPLICATED = {
     "mixtral": ("mlp.gate", "mlp.experts"),  # router and fused 3-D expert weights
     "qwen2_moe": ("mlp.gate", "mlp.experts", "mlp.shared_expert_gate"),
     "qwen3_moe": ("mlp.gate", "mlp.experts"),
+    "apertus": ("mlp",),  # xIELU's learnable alpha_p/alpha_n act on the (split) hidden activations
+    "bitnet": ("self_attn", "mlp"),  # attn_sub_norm over the whole attention width, ffn_sub_norm over the hidden
 }
 
 
@@ -86,6 +89,18 @@ def test_attention_with_other_inner_parameters_is_left_replicated(family, why):
     attn = "model.layers.0.self_attn"
     assert not [k for k in plan if k.startswith(attn)], plan
     line = next(s for s in summary if s.startswith(f"{attn}: "))
+    assert why in line and line.endswith("left replicated"), line
+
+
+@pytest.mark.parametrize(
+    "family, why", [("apertus", "mlp.act_fn.alpha_p (1,)"), ("bitnet", "mlp.ffn_sub_norm.weight (128,)")]
+)
+def test_mlp_with_parameters_on_its_hidden_activations_is_left_replicated(family, why):
+    # Split over TP, xIELU's scalar alpha_p would get each rank's half of its gradient: silently wrong.
+    model = hf_models.build(family)
+    plan, summary = auto_tp_plan(model, 2, return_summary=True)
+    assert not [k for k in plan if ".mlp" in k], plan
+    line = next(s for s in summary if s.startswith("model.layers.0.mlp: "))
     assert why in line and line.endswith("left replicated"), line
 
 

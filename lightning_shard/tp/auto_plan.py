@@ -116,6 +116,7 @@ class _Mlp:
     hidden: int
     whole_module: bool  # the module's Linear children are exactly the MLP (so its input can be prepared)
     sharded: bool = False
+    reason: str = ""
 
 
 def _join(*parts: str) -> str:
@@ -275,6 +276,27 @@ def _find_mlp(fqn: str, m: nn.Module) -> _Mlp | None:
         }
         mlp.whole_module = all(id(p) in mine for p in m.parameters())
     return mlp
+
+
+def _mlp_blocker(mlp: _Mlp, modules: dict[str, nn.Module], attns: dict, tp: int) -> str:
+    """Why ``mlp`` cannot be split over ``tp`` ranks, or ``""``.
+
+    A parameter of an MLP module besides its Linears (a learnable activation such as xIELU's ``alpha_p``, a
+    norm over the hidden width) acts on the hidden activations that TP splits: a replicated copy would get a
+    partial gradient on each rank (silently wrong training) or not fit the local width. A module that also
+    holds an attention is a whole layer (OPT's, ``nn.TransformerEncoderLayer``), whose other parameters are its
+    attention's and its norms on the block input."""
+    if mlp.hidden % tp:
+        return f"MLP hidden size {mlp.hidden} not divisible by tp {tp}"
+    m = modules[mlp.fqn]
+    if mlp.whole_module or any(a == mlp.fqn or a.startswith(mlp.fqn + ".") for a in attns):
+        return ""
+    if any(isinstance(c, nn.MultiheadAttention) for c in m.modules()):
+        return ""  # nn.TransformerEncoderLayer: linear1/linear2 next to its self_attn and norms
+    prefix = f"{mlp.fqn}." if mlp.fqn else ""
+    mine = {id(p) for f in [*mlp.ups, mlp.down] for p in modules[f].parameters()}
+    other = [f"{prefix}{n} {tuple(p.shape)}" for n, p in m.named_parameters() if id(p) not in mine]
+    return f"MLP holds {other[0]} besides its Linears, which would act on the split hidden activations" if other else ""
 
 
 def _find_sibling_mlp(fqn: str, m: nn.Module, claimed: set[str]) -> _Mlp | None:
@@ -502,9 +524,10 @@ def auto_tp_plan(
             )
         )
     ]
-    # MLP hidden sizes must divide.
+    # MLP hidden sizes must divide, and nothing but the MLP's Linears may act on its (split) hidden activations.
     for mlp in mlps.values():
-        mlp.sharded = mlp.hidden % tp == 0
+        mlp.reason = _mlp_blocker(mlp, modules, attns, tp)
+        mlp.sharded = not mlp.reason
 
     # ---- can sequence parallel run?
     sp = _sequence_parallel_choice(sequence_parallel)
@@ -589,7 +612,7 @@ def auto_tp_plan(
     # ---- MLPs
     for mlp in mlps.values():
         if not mlp.sharded:
-            lines.append(f"{mlp.fqn}: MLP hidden size {mlp.hidden} not divisible by tp {tp}, left replicated")
+            lines.append(f"{mlp.fqn}: {mlp.reason}, left replicated")
             continue
         if mlp.whole_module:
             add(mlp.fqn, _prepare_block_input(modules[mlp.fqn], block_in))

@@ -223,6 +223,10 @@ _DECODERS: dict[str, tuple[str, str, dict]] = {
     # RMSNorm on the attention output before o_proj and on the MLP's hidden activations
     "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0,
                bos_token_id=0)),
+    # a sigmoid output gate (gate_proj, full width) on the head-split attention output; shared + routed experts
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, num_experts=4,
+              num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32, num_dense_layers=1,
+              global_attn_every_n_layers=2, sliding_window=4, eos_token_id=1, pad_token_id=0, bos_token_id=0)),
 }  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Decoder LM families beyond Llama/Mistral/Qwen2/GPT-2/OPT (``hf_models.DECODER_FAMILIES``: Gemma 1-3, Phi,
 Phi-3, GPT-NeoX, Falcon, BLOOM, GPT-J, Qwen3, OLMo 1-2, StableLM, Granite, Mixtral, Qwen2-MoE, Qwen3-MoE, Cohere,
-DeepSeek-V3, gpt-oss, Apertus, BitNet) under FSDP through the Trainer and under ``auto_tp_plan`` TP, each
+DeepSeek-V3, gpt-oss, Apertus, BitNet, AFMoE) under FSDP through the Trainer and under ``auto_tp_plan`` TP, each
 compared with one process on the same data (tiny random-init configs, no downloads).
 
 What TP must not do on these is train wrong without an error: a replicated parameter that sees only this rank's
@@ -47,6 +47,7 @@ REPLICATED = {
     "qwen3_moe": ("mlp.gate", "mlp.experts"),
     "apertus": ("mlp",),  # xIELU's learnable alpha_p/alpha_n act on the (split) hidden activations
     "bitnet": ("self_attn", "mlp"),  # attn_sub_norm over the whole attention width, ffn_sub_norm over the hidden
+    "afmoe": ("self_attn", "mlp.router", "mlp.experts"),  # the output gate gate_proj; router and fused experts
 }
 
 
@@ -81,6 +82,7 @@ def test_per_head_qk_norms_keep_replicated_parameters_with_summed_gradient(famil
         ("stablelm", "q_layernorm (norms.0.weight (16,)"),
         ("cohere", "q_norm (weight (4, 16))"),
         ("gpt_oss", "sinks (4,)"),
+        ("afmoe", "Linear gate_proj (64, 64) inside the attention is neither q/k/v/o nor part of an MLP"),
     ],
 )
 def test_attention_with_other_inner_parameters_is_left_replicated(family, why):

@@ -170,6 +170,17 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
         a.whole_module = _holds_only(m, fqn, [*a.q, a.o])
         return a
     a = _Attn(fqn, [_join(fqn, n) for n in (q, k, v)], o_fqn)
+    rest = {_join(fqn, n): c for n, c in lin.items() if n not in {q, k, v, o}}
+    rest_mlp = _match_mlp(fqn, rest, False) if rest else None
+    if rest and (rest_mlp is None or {*rest_mlp.ups, rest_mlp.down} != set(rest)):
+        # A Linear beside q/k/v/o that is not a compact block's MLP (an output gate such as AFMoE's
+        # gate_proj, a decay projection) reads or scales the head-split activations at full width.
+        extra = next(f for f in rest if rest_mlp is None or f not in {*rest_mlp.ups, rest_mlp.down})
+        a.reason = (
+            f"Linear {extra.rsplit('.', 1)[-1]} {linear_dims(rest[extra])} inside the attention is neither q/k/v/o "
+            "nor part of an MLP, left replicated"
+        )
+        return a
     q_width = width
     head = _int_attr(m, HEAD_ATTRS)
     if head is None:

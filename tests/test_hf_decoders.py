@@ -150,10 +150,13 @@ def _tp_matches_one_process(family, tp_mesh, dp_mesh=None):
     assert (losses - ref_losses).abs().max() < 1e-5, (family, losses, ref_losses)
     ref_params = dict(ref.named_parameters())
     assert [n for n, _ in model.named_parameters()] == list(ref_params), family
+    worst = 0.0
     for name, p in model.named_parameters():
         # lr 0.5 moves some weights by ~1: a relative tolerance, far below what a wrong gradient gives (>1e-3)
         torch.testing.assert_close(_full(p.detach()), ref_params[name].detach(), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, n=name: f"{family} {n}: {m}")  # fmt: skip
+        worst = max(worst, (_full(p.detach()) - ref_params[name].detach()).abs().max().item())
+    return worst
 
 
 def _run_tp(families, world=2):
@@ -199,3 +202,33 @@ def test_more_decoders_under_fsdp_match_one_process():
     from tests.test_hf_fsdp import _run
 
     _run([f for f in hf_models.DECODER_FAMILIES if f not in FSDP_DEFAULT])
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+def _measure(families):
+    """Every family under FSDP (Trainer) and TP 2 on 2 ranks; rank 0 prints one table row per family."""
+    import sys
+
+    import torch.distributed as dist
+
+    from tests.test_hf_fsdp import _fit_and_compare
+
+    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    for family in families:
+        fsdp = _fit_and_compare(family)
+        tp = _tp_matches_one_process(family, tp_mesh)
+        model = hf_models.build(family)
+        plan, summary = auto_tp_plan(model, 2, return_summary=True)
+        share = tp_coverage(model, plan, summary).sharded_fraction
+        if dist.get_rank() == 0:
+            row = f"| {family} | `{type(model).__name__}` | {fsdp:.1e} | {tp:.1e} | {100 * share:.0f}% |"
+            print(row, file=sys.__stdout__, flush=True)
+
+
+if __name__ == "__main__":  # python -m tests.test_hf_decoders: the table in docs/huggingface.md
+    from tests.harness import run_distributed, shutdown_pools
+
+    try:
+        run_distributed(_measure, 2, list(hf_models.DECODER_FAMILIES), timeout=3600)
+    finally:
+        shutdown_pools()

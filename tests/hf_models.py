@@ -1,7 +1,8 @@
 """Tiny random-init Hugging Face models, built from configs (no downloads): test material nobody here wrote.
 
 Every factory returns a model in float32, eval-free (dropout 0), seeded, small enough for 2-4 CPU ranks:
-hidden 64, 4 heads (2 KV heads where the family has grouped-query attention), 2 layers, vocabulary 128.
+hidden 64, 4 heads (2 KV heads where the family has grouped-query attention), 2 layers, vocabulary 128; the
+mixture-of-experts families have 4 experts, 2 per token.
 
 Example::
 
@@ -148,6 +149,97 @@ def _t5():
     )
 
 
+# ------------------------------------------------------------------------------------------ more decoder LMs
+# Each: (config class, causal-LM class, config arguments beyond the shared sizes). The arguments switch on
+# what makes the family different from Llama where transformers has it off by default.
+_LLAMA_SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=2 * HIDDEN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    max_position_embeddings=MAX_POS,
+)
+_GQA = dict(num_key_value_heads=2)
+_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
+_SMALL_MOE = dict(intermediate_size=HIDDEN, num_experts_per_tok=2)
+_DECODERS: dict[str, tuple[str, str, dict]] = {
+    # soft-capped attention and final logits, alternating sliding-window layers, tied head
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, sliding_window=4,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
+    # per-head q/k RMSNorm (1 + weight), one sliding and one global layer
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, sliding_window=4,
+               query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16)),
+    # fused qkv_proj and gate_up_proj
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA_SIZES, **_GQA, pad_token_id=0, eos_token_id=1)),
+    # parallel attention and MLP from one LayerNorm, partial rotary, biases, "dense" output projection
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(_LLAMA_SIZES, partial_rotary_factor=0.5, resid_pdrop=0.0,
+            embd_pdrop=0.0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_LLAMA_SIZES, rotary_pct=0.5, **_NO_DROPOUT)),
+    # fused query_key_value with 2 KV groups, parallel attention/MLP, "mlp_output += attention_output"
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(vocab_size=VOCAB, hidden_size=HIDDEN,
+               num_hidden_layers=LAYERS, num_attention_heads=HEADS, new_decoder_architecture=True, num_kv_heads=2,
+               **_NO_DROPOUT)),
+    # ALiBi position bias, fused query_key_value, embedding LayerNorm
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS,
+              n_head=HEADS, **_NO_DROPOUT)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+             n_positions=MAX_POS, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+             eos_token_id=1)),
+    # per-head q/k RMSNorm
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0)),
+    # q/k RMSNorm over the whole projection width (across heads)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0)),
+    # one LayerNorm per head, kept in a ModuleList
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(_LLAMA_SIZES, **_GQA, partial_rotary_factor=0.5,
+                 qk_layernorm=True)),
+    # embedding, residual, attention and logit multipliers
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_LLAMA_SIZES, **_GQA, embedding_multiplier=2.0,
+                residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+    # top-2 of 4 experts (fused 3-D expert weights, routing by index/scatter)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_LLAMA_SIZES, **_GQA, **_SMALL_MOE,
+                num_local_experts=4)),
+    # experts plus a gated shared expert
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_LLAMA_SIZES, **_GQA, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32)),
+    # LayerNorm q/k norms with a (heads, head_dim) weight, logit scale, parallel attention/MLP, tied head
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_LLAMA_SIZES, **_GQA, logit_scale=0.5, use_qk_norm=True,
+               eos_token_id=1, pad_token_id=0)),
+    # multi-head latent attention (low-rank q and kv projections), one dense layer then routed experts
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_LLAMA_SIZES, num_key_value_heads=HEADS,
+                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                    n_group=1, topk_group=1)),
+    # per-head attention sinks (a parameter of the attention module), experts with biases
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(_LLAMA_SIZES, **_GQA, **_SMALL_MOE, head_dim=16,
+                num_local_experts=4, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    # xIELU activation with learnable scalars, applied to the MLP's hidden activations; per-head q/k norms
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0,
+                bos_token_id=0)),
+    # RMSNorm on the attention output before o_proj and on the MLP's hidden activations
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(_LLAMA_SIZES, **_GQA, eos_token_id=1, pad_token_id=0,
+               bos_token_id=0)),
+    # a sigmoid output gate (gate_proj, full width) on the head-split attention output; shared + routed experts
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, num_experts=4,
+              num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32, num_dense_layers=1,
+              global_attn_every_n_layers=2, sliding_window=4, eos_token_id=1, pad_token_id=0, bos_token_id=0)),
+}  # fmt: skip
+
+
+def _decoder(family: str):
+    import transformers
+
+    config_cls, model_cls, kwargs = _DECODERS[family]
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+
+
+#: decoder LM families beyond the first five (tests/test_hf_decoders.py runs them under FSDP and TP).
+DECODER_FAMILIES = tuple(_DECODERS)
+
 # family -> (builder, loss kind)
 FAMILIES: dict[str, tuple] = {
     "llama": (_llama, "causal"),
@@ -157,6 +249,7 @@ FAMILIES: dict[str, tuple] = {
     "opt": (_opt, "causal"),
     "bert": (_bert, "masked"),
     "t5": (_t5, "seq2seq"),
+    **{f: (lambda f=f: _decoder(f), "causal") for f in _DECODERS},
 }
 
 

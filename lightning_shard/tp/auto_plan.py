@@ -109,6 +109,7 @@ class _Attn:
     # Other Linear children projecting into the query's head space (DeBERTa-v2's pos_key_proj/pos_query_proj):
     # the forward reshapes their output with the divided head count, so they are split like q.
     head_projections: list[str] = field(default_factory=list)
+    head_norms: list[str] = field(default_factory=list)  # norms over head_dim inside (Qwen3's q_norm/k_norm)
     sharded: bool = False
     reason: str = ""
     # The module holds only the projections (and per-head tables), so its input can be prepared once. A whole
@@ -125,6 +126,7 @@ class _Mlp:
     hidden: int
     whole_module: bool  # the module's Linear children are exactly the MLP (so its input can be prepared)
     sharded: bool = False
+    reason: str = ""
 
 
 def _join(*parts: str) -> str:
@@ -178,6 +180,17 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
         a.whole_module = _holds_only(m, fqn, [*a.q, a.o])
         return a
     a = _Attn(fqn, [_join(fqn, n) for n in (q, k, v)], o_fqn)
+    rest = {_join(fqn, n): c for n, c in lin.items() if n not in {q, k, v, o}}
+    rest_mlp = _match_mlp(fqn, rest, False) if rest else None
+    if rest and (rest_mlp is None or {*rest_mlp.ups, rest_mlp.down} != set(rest)):
+        # A Linear beside q/k/v/o that is not a compact block's MLP (an output gate such as AFMoE's
+        # gate_proj, a decay projection) reads or scales the head-split activations at full width.
+        extra = next(f for f in rest if rest_mlp is None or f not in {*rest_mlp.ups, rest_mlp.down})
+        a.reason = (
+            f"Linear {extra.rsplit('.', 1)[-1]} {linear_dims(rest[extra])} inside the attention is neither q/k/v/o "
+            "nor part of an MLP, left replicated"
+        )
+        return a
     q_width = width
     head = _int_attr(m, HEAD_ATTRS)
     if head is None:
@@ -211,9 +224,43 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
     a.head_projections = [
         _join(fqn, n) for n, c in lin.items() if n not in (q, k, v, o) and linear_dims(c)[1] == q_width
     ]
-    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables, *a.head_projections])
+    head_dim = q_width // a.heads
+    owned = [q, k, v, o, *(t.rsplit(".", 1)[-1] for t in a.head_tables + a.head_projections)]
+    a.head_norms, other = _per_head_norms(m, fqn, owned, head_dim)
+    if other and set(lin) <= {q, k, v, o}:
+        # Parameters of the attention's own (not a Linear's) act on the activations between the projections,
+        # which TP splits by heads: one replicated copy on each rank would see only its heads and get a partial
+        # gradient (silently wrong training), or a whole-width norm would normalise over half the width.
+        a.reason = (
+            f"{other[0]} inside the attention acts on the head-split activations and is not a per-head norm "
+            f"(parameters of size head_dim {head_dim}), left replicated"
+        )
+        a.divide, a.head_norms, a.head_projections = [], [], []
+        return a
+    a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables, *a.head_projections, *a.head_norms])
     a.sharded = True
     return a
+
+
+def _per_head_norms(m: nn.Module, fqn: str, owned: list[str | None], head_dim: int) -> tuple[list[str], list[str]]:
+    """The attention module's parameters outside its projections and per-head tables (``owned``, child names):
+    ``(per_head_norms, others)``. A per-head norm (Qwen3's and Gemma 3's ``q_norm``/``k_norm``) is a norm child
+    whose parameters all have shape ``(head_dim,)``: it runs on each rank's heads alone, so TP keeps it with
+    replicated parameters and sums its gradient. ``others`` describes every other parameter, e.g.
+    ``"q_norm (weight (64,))"`` for OLMo 2's norm over the whole projection width."""
+    norms: list[str] = []
+    others: list[str] = []
+    skip = {n for n in owned if n is not None}
+    for name, child in m.named_children():
+        params = list(child.named_parameters())
+        if name in skip or not params:
+            continue
+        if _is_norm(child) and all(tuple(p.shape) == (head_dim,) for _, p in params):
+            norms.append(_join(fqn, name))
+        else:
+            others.append(f"{name} ({', '.join(f'{n} {tuple(p.shape)}' for n, p in params)})")
+    others += [f"{n} {tuple(p.shape)}" for n, p in m.named_parameters(recurse=False)]
+    return norms, others
 
 
 def _holds_only(m: nn.Module, fqn: str, owned: list[str]) -> bool:
@@ -240,6 +287,11 @@ def _match_mlp(fqn: str, lin: dict[str, nn.Module], whole: bool) -> _Mlp | None:
 
 def _find_mlp(fqn: str, m: nn.Module) -> _Mlp | None:
     mlp = _match_mlp(fqn, {_join(fqn, n): c for n, c in _linear_children(m).items()}, True)
+    if mlp is not None and not mlp.whole_module:
+        # Other Linears beside the pair: the shapes alone do not say which way data flows between them
+        # (DeepSeek's low-rank attention has q_a_proj 64 -> 32 feeding q_b_proj 32 -> 64, the reverse of an
+        # MLP's up -> down), so this is no MLP (compact blocks holding an attention are matched separately).
+        return None
     if mlp is not None and mlp.whole_module:
         # Its input can be prepared for the MLP alone only if the module holds nothing else (OPT's decoder
         # layer holds fc1/fc2 next to the attention and the norms).
@@ -248,6 +300,27 @@ def _find_mlp(fqn: str, m: nn.Module) -> _Mlp | None:
         }
         mlp.whole_module = all(id(p) in mine for p in m.parameters())
     return mlp
+
+
+def _mlp_blocker(mlp: _Mlp, modules: dict[str, nn.Module], attns: dict, tp: int) -> str:
+    """Why ``mlp`` cannot be split over ``tp`` ranks, or ``""``.
+
+    A parameter of an MLP module besides its Linears (a learnable activation such as xIELU's ``alpha_p``, a
+    norm over the hidden width) acts on the hidden activations that TP splits: a replicated copy would get a
+    partial gradient on each rank (silently wrong training) or not fit the local width. A module that also
+    holds an attention is a whole layer (OPT's, ``nn.TransformerEncoderLayer``), whose other parameters are its
+    attention's and its norms on the block input."""
+    if mlp.hidden % tp:
+        return f"MLP hidden size {mlp.hidden} not divisible by tp {tp}"
+    m = modules[mlp.fqn]
+    if mlp.whole_module or any(a == mlp.fqn or a.startswith(mlp.fqn + ".") for a in attns):
+        return ""
+    if any(isinstance(c, nn.MultiheadAttention) for c in m.modules()):
+        return ""  # nn.TransformerEncoderLayer: linear1/linear2 next to its self_attn and norms
+    prefix = f"{mlp.fqn}." if mlp.fqn else ""
+    mine = {id(p) for f in [*mlp.ups, mlp.down] for p in modules[f].parameters()}
+    other = [f"{prefix}{n} {tuple(p.shape)}" for n, p in m.named_parameters() if id(p) not in mine]
+    return f"MLP holds {other[0]} besides its Linears, which would act on the split hidden activations" if other else ""
 
 
 def _find_sibling_mlp(fqn: str, m: nn.Module, claimed: set[str]) -> _Mlp | None:
@@ -518,9 +591,10 @@ def auto_tp_plan(
             )
         )
     ]
-    # MLP hidden sizes must divide.
+    # MLP hidden sizes must divide, and nothing but the MLP's Linears may act on its (split) hidden activations.
     for mlp in mlps.values():
-        mlp.sharded = mlp.hidden % tp == 0
+        mlp.reason = _mlp_blocker(mlp, modules, attns, tp)
+        mlp.sharded = not mlp.reason
 
     # ---- can sequence parallel run?
     sp = _sequence_parallel_choice(sequence_parallel)
@@ -602,11 +676,16 @@ def auto_tp_plan(
         for t in a.head_tables:
             add(t, ColwiseParallel(input_layouts=Replicate()))
             lines.append(f"{t}: ColwiseParallel (per-head table, columns split like the heads)")
+        for t in a.head_norms:
+            # Its input is this rank's heads (a plain tensor): as a shard on a non-normalised dim, the norm runs
+            # locally and its replicated weight's gradient is summed over the TP ranks.
+            add(t, SequenceParallel(sequence_dim=-2, use_local_output=True))
+            lines.append(f"{t}: per-head norm, parameters replicated, gradient summed over tp")
 
     # ---- MLPs
     for mlp in mlps.values():
         if not mlp.sharded:
-            lines.append(f"{mlp.fqn}: MLP hidden size {mlp.hidden} not divisible by tp {tp}, left replicated")
+            lines.append(f"{mlp.fqn}: {mlp.reason}, left replicated")
             continue
         if mlp.whole_module:
             add(mlp.fqn, _prepare_block_input(modules[mlp.fqn], block_in))

@@ -114,11 +114,13 @@ class _DenseGrad(torch.autograd.Function):
     Why: ``DTensor.to_local``'s backward wraps the incoming local gradient with the forward tensor's global
     (contiguous) strides, but a gradient coming back through ``transpose``/``matmul`` in the module's own
     code can be laid out differently; a later ``view`` of that DTensor then fails on the local tensor.
+    The output shares the input's memory but is not an autograd view of it, so the module's caller may update
+    it in place (Falcon: ``mlp_output += attention_output``); a view returned by a custom Function may not be.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,42 @@ def _assert_unchanged(before, model, opt):
 
 
 @distributed(world_size=2)
+def test_full_offloaded_state_dicts_are_never_held_on_the_other_ranks():
+    """Full + cpu_offload: rank 0 keeps the model and the optimizer state; the other ranks join every gather
+    but hold at most one gathered tensor at a time (an 8B model would otherwise sit in each rank's host RAM)."""
+    import weakref
+    from unittest import mock
+
+    mesh = _mesh()
+    model = _fsdp(make_model(), mesh)
+    opt = make_optimizer(model, 0.1, "adamw")
+    _steps(model, opt, batches(1, 4), mesh)
+    gathered: list[weakref.ref] = []
+    most_alive = 0
+    real = DTensor.full_tensor
+
+    def full_tensor(self, **kwargs):
+        nonlocal most_alive
+        most_alive = max(most_alive, sum(r() is not None for r in gathered))  # earlier results still held
+        out = real(self, **kwargs)
+        gathered.append(weakref.ref(out))
+        return out
+
+    with mock.patch.object(DTensor, "full_tensor", full_tensor):
+        sd = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)
+        osd = get_optimizer_state_dict(model, opt, full_state_dict=True, cpu_offload=True)
+    assert len(gathered) > 10  # parameters, then exp_avg and exp_avg_sq of each
+    if dist.get_rank() == 0:
+        assert sd.keys() == make_model().state_dict().keys() and osd["state"]
+        assert most_alive > 10  # rank 0 keeps what it gathered
+    else:
+        assert sd == {} and osd == {}
+        # At most the previous gather is still referenced when the next starts (freed by then on rank 0 too
+        # when it is not kept); the whole model, as before, would be every earlier one.
+        assert most_alive <= 1, f"{most_alive} gathered tensors still held on rank {dist.get_rank()}"
+
+
+@distributed(world_size=2)
 def test_full_state_dict_rank0_and_set_from_full(tmp_path):
     mesh = _mesh()
     model = _fsdp(make_model(), mesh)

@@ -50,8 +50,12 @@ def _keep_full(cpu_offload: bool) -> bool:
     return not cpu_offload or _rank() == 0
 
 
-def _export(value: torch.Tensor, full: bool, cpu_offload: bool, cache: dict[int, torch.Tensor]) -> torch.Tensor:
-    """One state tensor in the requested form. ``cache`` gathers a tied tensor once."""
+def _export(
+    value: torch.Tensor, full: bool, cpu_offload: bool, cache: dict[int, torch.Tensor | None], keep: bool = True
+) -> torch.Tensor | None:
+    """One state tensor in the requested form. ``cache`` gathers a tied tensor once. ``keep=False`` (the ranks
+    that return ``{}`` from a full, offloaded state dict): the gather still runs, as every rank must join it,
+    but the result is dropped at once (``None``), so those ranks never hold the model on the host."""
     if id(value) in cache:
         return cache[id(value)]
     with torch.no_grad():
@@ -69,6 +73,8 @@ def _export(value: torch.Tensor, full: bool, cpu_offload: bool, cache: dict[int,
             out = value.detach()
         if cpu_offload and not isinstance(out, DTensor):
             out = out.cpu()
+    if not keep:
+        out = None
     cache[id(value)] = out
     return out
 
@@ -158,13 +164,13 @@ def get_model_state_dict(
             torch.save(sd, "model.pt")
     """
     keep = not full_state_dict or _keep_full(cpu_offload)
-    cache: dict[int, torch.Tensor] = {}
+    cache: dict[int, torch.Tensor | None] = {}
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             out[key] = value  # _extra_state
             continue
-        t = _export(value, full_state_dict, cpu_offload, cache)
+        t = _export(value, full_state_dict, cpu_offload, cache, keep)
         if keep:
             out[key] = t
     return out
@@ -285,7 +291,7 @@ def get_optimizer_state_dict(
     _init_optim_state(optimizer)
     groups = _optim_fqns(model, optimizer)
     keep = not full_state_dict or _keep_full(cpu_offload)
-    cache: dict[int, torch.Tensor] = {}
+    cache: dict[int, torch.Tensor | None] = {}
     state: dict[str, dict[str, Any]] = {}
     for group, names in zip(optimizer.param_groups, groups):
         for p, fqn in zip(group[_PARAMS], names):
@@ -293,8 +299,10 @@ def get_optimizer_state_dict(
                 continue
             entry = {}
             for k, v in optimizer.state[p].items():
-                entry[k] = _export(v, full_state_dict, cpu_offload, cache) if isinstance(v, torch.Tensor) else v
-            state[fqn] = entry
+                is_tensor = isinstance(v, torch.Tensor)
+                entry[k] = _export(v, full_state_dict, cpu_offload, cache, keep) if is_tensor else v
+            if keep:  # the other ranks only join the gathers (see get_model_state_dict)
+                state[fqn] = entry
     if not keep:
         return {}
     param_groups = []

@@ -391,7 +391,7 @@ def estimate(
     on_device = not cpu_offload
     head_params = {id(p): p for fqn in profile.head for p in model.get_submodule(fqn).parameters(recurse=False)}
     head_grads = sum(local.get(i, p.shape).numel() for i, p in head_params.items() if p.requires_grad) * c_size
-    setup = _setup_peak(model, blocks, groups, layouts, m_size, on_device)
+    setup = _setup_peak(model, blocks, groups, layouts, m_size, on_device, tp)
     phases = _phase_peaks(
         PhaseTerms(
             params=params if on_device else 0,
@@ -472,7 +472,7 @@ def estimate(
     )
 
 
-def _setup_peak(model, blocks, groups, layouts, m_size: int, on_device: bool) -> int:
+def _setup_peak(model, blocks, groups, layouts, m_size: int, on_device: bool, tp: int) -> int:
     """Peak bytes of materialising the sharded model (``to_empty``), buffers aside. ``Module._apply`` visits
     children before a module's own parameters, so each block is rebuilt in turn (its new local tensors and its
     flat shard; the unsharded buffer gets its bytes only at the first all-gather), while the root's
@@ -487,9 +487,11 @@ def _setup_peak(model, blocks, groups, layouts, m_size: int, on_device: bool) ->
     before = {id(p) for m in model.modules() if first is not None and names[id(m)] < first
               and id(m) not in ancestors for p in m.parameters(recurse=False)}  # fmt: skip
     # reset_parameters on a sharded parameter draws the whole tensor (lightning_shard.tensor.ops.random fills a
-    # full-size tensor, and redistributing it to this rank's part copies it once more): two full copies of the
-    # largest parameter beside every shard, measured on the simulator (tests/test_planner_simulator.py)
-    init = 2 * max((p.numel() for p in model.parameters()), default=0) * m_size if on_device else 0
+    # full-size tensor and copies this rank's part out of a view of it): one full copy of the largest parameter
+    # beside every shard; under FSDP over TP (a strided shard, no view) redistributing the draw copies it once
+    # more. Measured on the simulator (tests/test_planner_simulator.py).
+    copies = 2 if tp > 1 else 1
+    init = copies * max((p.numel() for p in model.parameters()), default=0) * m_size if on_device else 0
     root_layout, root_params = layouts[-1], groups[-1]
     early = 0
     if root_layout is not None:

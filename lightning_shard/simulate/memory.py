@@ -37,8 +37,12 @@ __all__ = ["MemoryTracker"]
 
 # Ops whose real kernels write their output directly, but whose fake implementation decomposes into steps that
 # allocate: ``_to_copy`` to another device converts on the source device first (a same-size temporary there),
-# then moves. Only the op's output is counted for these; ``tensor.cpu()`` allocates host memory only, as on a GPU.
-_DIRECT_OPS = frozenset({torch.ops.aten._to_copy.default})
+# then moves; ``uniform_`` (``kaiming_uniform_``, ``reset_parameters``) draws a new full-size tensor and copies
+# it in. Only the op's output is counted for these; ``tensor.cpu()`` allocates host memory only, as on a GPU,
+# and ``uniform_`` none. (The fake mode caches an op's result by its inputs' metadata, so without this the
+# decomposition's temporaries were counted on the first call only: the first simulation in a process had a
+# higher setup peak than the next.)
+_DIRECT_OPS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.uniform_.default})
 
 
 class MemoryTracker(TorchDispatchMode):

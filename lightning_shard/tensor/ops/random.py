@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from lightning_shard.tensor.dispatch import register_custom
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.ops._common import REPLICATE
-from lightning_shard.tensor.placements import Placement
+from lightning_shard.tensor.placements import Placement, Shard
 from lightning_shard.tensor.redistribute import redistribute_local
 from lightning_shard.tensor.spec import DTensorSpec
 
@@ -57,14 +57,36 @@ def _local_part(full: torch.Tensor, spec: DTensorSpec, placements: tuple[Placeme
     return redistribute_local(full, src, placements)
 
 
+def _local_view(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor | None:
+    """This rank's part of ``full`` as a view (no copy) when every placement is ``Shard`` (``torch.chunk``
+    semantics, mesh dims left to right) or ``Replicate``; ``None`` for other layouts (strided shards, partials,
+    a rank past the last chunk)."""
+    out = full
+    for mesh_dim, placement in enumerate(spec.placements):
+        if type(placement) is Shard:
+            chunks = out.chunk(spec.mesh.size(mesh_dim), placement.dim)
+            coord = spec.mesh.get_local_rank(mesh_dim)
+            if coord >= len(chunks):
+                return None
+            out = chunks[coord]
+        elif not placement.is_replicate():
+            return None
+    return out
+
+
 def random_inplace_handler(func, args: tuple, kwargs: dict):
-    """``self.op_(...)``: fill a full-size tensor with the op, keep this rank's part in ``self``."""
+    """``self.op_(...)``: fill a full-size tensor with the op, keep this rank's part in ``self``. The part is
+    read through a view where the layout allows, so initialising a parameter holds one full-size tensor, not
+    two (the largest parameter's draw is the peak of materialising a sharded model)."""
     self: DTensor = args[0]
     spec = self._spec
     rest_args, rest_kwargs = pytree.tree_map(lambda a: _full(a) if isinstance(a, DTensor) else a, (args[1:], kwargs))
     full = _full_like_spec(spec, self._local_tensor.device)
     func(full, *rest_args, **rest_kwargs)
-    self._local_tensor.copy_(_local_part(full, spec, spec.placements))
+    part = _local_view(full, spec)
+    if part is None or part.shape != self._local_tensor.shape:
+        part = _local_part(full, spec, spec.placements)
+    self._local_tensor.copy_(part)
     return self
 
 

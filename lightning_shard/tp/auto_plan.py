@@ -226,6 +226,7 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
     ]
     head_dim = q_width // a.heads
     owned = [q, k, v, o, *(t.rsplit(".", 1)[-1] for t in a.head_tables + a.head_projections)]
+    owned += _output_norms(m, o)  # ALBERT's LayerNorm after its output projection: whole width, replicated
     a.head_norms, other = _per_head_norms(m, fqn, owned, head_dim)
     if other and set(lin) <= {q, k, v, o}:
         # Parameters of the attention's own (not a Linear's) act on the activations between the projections,
@@ -261,6 +262,18 @@ def _per_head_norms(m: nn.Module, fqn: str, owned: list[str | None], head_dim: i
             others.append(f"{name} ({', '.join(f'{n} {tuple(p.shape)}' for n, p in params)})")
     others += [f"{n} {tuple(p.shape)}" for n, p in m.named_parameters(recurse=False)]
     return norms, others
+
+
+def _output_norms(m: nn.Module, o: str | None) -> list[str]:
+    """Norm children of the attention ``m`` that its forward applies after the output projection ``o`` (a child):
+    they see the all-reduced, whole-width output, not the head-split activations, so they need no split (their
+    first call in the source comes after ``self.<o>(``; a norm called before it, such as BitNet's sub-norm or
+    OLMo 2's q_norm, is not one)."""
+    source = _source(type(m).forward)
+    at_o = source.find(f"self.{o}(") if o else -1
+    if at_o < 0:
+        return []
+    return [name for name, child in m.named_children() if _is_norm(child) and source.find(f"self.{name}(") > at_o]
 
 
 def _holds_only(m: nn.Module, fqn: str, owned: list[str]) -> bool:

@@ -250,8 +250,15 @@ def barrier(group: dist.ProcessGroup | None = None, device: torch.device | None 
         dist.barrier(group=group)
 
 
-def _carries_data(group: dist.ProcessGroup | None) -> bool:
+def carries_data(group: dist.ProcessGroup | None = None) -> bool:
+    """False on torch's fake backend (the simulator's process group), whose collectives move no data.
+
+    Example: ``if carries_data(group): ...compare values across ranks...``.
+    """
     return "fake" not in str(dist.get_backend_config(group or dist.group.WORLD))
+
+
+_carries_data = carries_data
 
 
 def _supports_avg(group: dist.ProcessGroup) -> bool:

@@ -157,9 +157,9 @@ def test_full_offloaded_state_dicts_are_never_held_on_the_other_ranks():
         assert most_alive > 10  # rank 0 keeps what it gathered
     else:
         assert sd == {} and osd == {}
-        # At most the previous gather is still referenced when the next starts (freed by then on rank 0 too
-        # when it is not kept); the whole model, as before, would be every earlier one.
-        assert most_alive <= 1, f"{most_alive} gathered tensors still held on rank {dist.get_rank()}"
+        # The last gather or two can still be alive when the next starts, with no Python referrer (held from C++,
+        # e.g. by the collective's finished work object); holding the model, as before, is every earlier one.
+        assert most_alive <= 2, f"{most_alive} gathered tensors still held on rank {dist.get_rank()}"
 
 
 @distributed(world_size=2)

@@ -37,10 +37,20 @@ def _loader(family: str):
 
 
 # ---------------------------------------------------------------------------------------------- one process
+# Families whose transformers checkpoint layout differs from their modules (fused or stacked experts, fused
+# qkv): save_hf_pretrained refuses them with the recipe that works (gather on rank 0, transformers saves).
+CONVERTED_ON_SAVE = {"gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "afmoe"}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_same_tensors_and_names_as_transformers_save_pretrained(family, tmp_path):
     model = build(family)
     model.save_pretrained(tmp_path / "hf")  # the oracle: transformers' own writer
+    if family in CONVERTED_ON_SAVE:
+        with pytest.raises(NotImplementedError, match="weight conversions.*model.save_pretrained"):
+            save_hf_pretrained(model, tmp_path / "ours")
+        assert not (tmp_path / "ours").exists()
+        return
     save_hf_pretrained(model, tmp_path / "ours")
     theirs, ours = _saved_tensors(tmp_path / "hf"), _saved_tensors(tmp_path / "ours")
     assert ours.keys() == theirs.keys()  # each tied tensor once, under the name transformers keeps

@@ -4,7 +4,6 @@ global batches (2 gloo ranks; FSDP 2, and TP 2)."""
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import strategies
 from tests.harness import distributed
 from tests.lightning_models import LitGPT, _seeded_model, dataset, loss_fn, sampler_batches
+from tests.test_strategy import _trainer
 
 STEPS, CLIP, LR = 3, 0.05, 0.1
 
@@ -88,19 +88,8 @@ def _reference(arch: str, two_phases: bool, world: int = 2, per_rank_batch: int 
 @distributed(world_size=2)
 def test_manual_optimization_two_optimizers_and_clipping_match_one_process(arch, tp, two_phases):
     module = LitManual(arch, two_phases)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp),
-        max_epochs=1,
-        limit_train_batches=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp)
+    trainer = _trainer(strategy=strategy, max_steps=-1, max_epochs=1, limit_train_batches=STEPS)
     trainer.fit(module)
     ref = _reference(arch, two_phases, world=dist.get_world_size() // tp)
     plain = [n for n, p in module.model.named_parameters() if not hasattr(p, "full_tensor")]

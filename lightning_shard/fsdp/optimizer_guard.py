@@ -7,9 +7,9 @@ modules point at the sharded parameters again, which never change: the model sil
 the root's parameters: embeddings, final norm, LM head). torch's FSDP2 has the same hazard and no guard.
 
 ``check_optimizer_params(optimizer)`` raises a ``ValueError`` naming the parameter and the fix;
-``fully_shard`` installs it once as a global optimizer step pre-hook, so every ``optimizer.step()`` checks
-before it updates anything (plain scripts, Fabric and the Trainer alike), and the strategies also call it
-when they set an optimizer up.
+``fully_shard`` installs it once as a global optimizer step pre-hook, so an optimizer's first ``step()`` (and
+the first after ``add_param_group``) checks before it updates anything (plain scripts, Fabric and the Trainer
+alike), and the strategies also call it when they set an optimizer up.
 
 Example::
 
@@ -21,6 +21,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -57,8 +59,16 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
                 )
 
 
+# optimizer -> number of parameters it held when last checked: an optimizer's parameters change only through
+# add_param_group, so each is checked at its first step and after a group is added, not at every step.
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    check_optimizer_params(optimizer)
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _checked.get(optimizer) != count:
+        check_optimizer_params(optimizer)
+        _checked[optimizer] = count
 
 
 def install_step_guard() -> None:

@@ -186,8 +186,9 @@ _POOLS: dict[int, _Pool] = {}
 
 def _pool(world_size: int) -> _Pool:
     if world_size not in _POOLS:
-        # Keep one pool alive at a time: idle ranks of another size only cost memory and start-up noise.
-        shutdown_pools()
+        # Pools of every size stay alive until the session ends: an idle rank waits on its queue and costs only
+        # memory, while restarting a pool (spawn, import torch and Lightning, join a group) costs seconds, and
+        # modules mixing 1, 2 and 4 ranks would otherwise restart one at every switch.
         _POOLS[world_size] = _Pool(world_size)
     return _POOLS[world_size]
 

@@ -281,6 +281,27 @@ def test_loss_parallel_matches_torch_uneven_vocab_ignore_index():
 
 
 @distributed(world_size=2)
+def test_loss_parallel_applies_inside_its_block_only_whatever_ran_before():
+    # Dispatch caches each op's handler: entering and leaving loss_parallel must reach ops dispatched before.
+    from lightning_shard import comm
+    from lightning_shard.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    g = torch.Generator().manual_seed(11)
+    logits, target = torch.randn(6, VOCAB, generator=g), torch.randint(0, VOCAB, (6,), generator=g)
+    ref = F.cross_entropy(logits, target)
+    x = distribute_tensor(logits, mesh, [Shard(1)])
+    outside = F.cross_entropy(x, distribute_tensor(target, mesh, [Replicate()]))  # the ordinary path
+    assert (outside.full_tensor() - ref).abs() < 1e-6
+    with loss_parallel(), comm.count_collectives() as counts:
+        inside = F.cross_entropy(x, target)  # a plain target: loss parallel's handler, no logits gathered
+    assert (inside.full_tensor() - ref).abs() < 1e-6
+    assert counts.calls.get("all_gather_into", 0) == 0, dict(counts.calls)
+    with pytest.raises(RuntimeError, match="plain torch.Tensor"):  # the ordinary path again after the block
+        F.cross_entropy(x, target)
+
+
+@distributed(world_size=2)
 def test_bad_input_raises_before_any_collective():
     from lightning_shard import comm
     from lightning_shard.tp import DivideAttributes

@@ -61,6 +61,27 @@ def register_custom(*ops):
     return deco
 
 
+def swap_custom(op, handler):
+    """Make ``handler`` (or nothing, for ``None``) the custom handler of the overload ``op`` and return the entry
+    it replaces, for a context that installs handlers for a while (``loss_parallel``). Dispatch looks handlers
+    up through a per-op cache, so every change goes through here: a bare ``_CUSTOM[op] = ...`` would leave ops
+    dispatched before on their old handler.
+
+    Example::
+
+        previous = swap_custom(aten.nll_loss_forward.default, my_handler)
+        ...
+        swap_custom(aten.nll_loss_forward.default, previous)
+    """
+    previous = _CUSTOM.get(op)
+    if handler is None:
+        _CUSTOM.pop(op, None)
+    else:
+        _CUSTOM[op] = handler
+    _custom_handler.cache_clear()
+    return previous
+
+
 @functools.cache
 def _custom_handler(func):
     return _CUSTOM.get(func) or _CUSTOM.get(func.overloadpacket)

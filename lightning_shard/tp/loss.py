@@ -225,8 +225,8 @@ def loss_parallel() -> Iterator[None]:
     load_rules()
     if _DEPTH == 0:
         for op, handler in _HANDLERS.items():
-            _SAVED[op] = _dispatch._CUSTOM.get(op)
-            _dispatch._CUSTOM[op] = _make(handler, _SAVED[op])
+            ordinary = _dispatch._custom_handler(op)  # registered for the overload or for its packet
+            _SAVED[op] = _dispatch.swap_custom(op, _make(handler, ordinary))
     _DEPTH += 1
     try:
         yield
@@ -234,8 +234,5 @@ def loss_parallel() -> Iterator[None]:
         _DEPTH -= 1
         if _DEPTH == 0:
             for op, previous in _SAVED.items():
-                if previous is None:
-                    _dispatch._CUSTOM.pop(op, None)
-                else:
-                    _dispatch._CUSTOM[op] = previous
+                _dispatch.swap_custom(op, previous)
             _SAVED.clear()

@@ -186,7 +186,7 @@ _POOLS: dict[int, _Pool] = {}
 
 def _pool(world_size: int) -> _Pool:
     if world_size not in _POOLS:
-        # Pools of every size stay alive until the session ends: an idle rank waits on its queue and costs only
+        # Pools of every size stay alive until pytest exits: an idle rank waits on its queue and costs only
         # memory, while restarting a pool (spawn, import torch and Lightning, join a group) costs seconds, and
         # modules mixing 1, 2 and 4 ranks would otherwise restart one at every switch.
         _POOLS[world_size] = _Pool(world_size)

@@ -54,8 +54,7 @@ def register_custom(*ops):
 
     def deco(fn):
         for op in ops:
-            _CUSTOM[op] = fn
-        _custom_handler.cache_clear()
+            swap_custom(op, fn)
         return fn
 
     return deco

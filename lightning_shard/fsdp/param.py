@@ -40,9 +40,21 @@ class FSDPParam:
         self.shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # what FSDP shards
         self.global_shape = param.shape
         self.dtype = param.dtype
-        self.requires_grad = param.requires_grad
+        self._requires_grad_at_wrap = param.requires_grad
         self.sharded: nn.Parameter | None = None  # our DTensor, Shard(0) on the data-parallel mesh
         self.unsharded: nn.Parameter | None = None  # plain view into the unsharded flat buffer
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether this parameter trains: the sharded parameter's flag, which is the one users and callbacks
+        set (``model.requires_grad_(False)``, Lightning's ``BaseFinetuning.make_trainable``) at any time."""
+        return self._requires_grad_at_wrap if self.sharded is None else self.sharded.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        """Give the unsharded parameter (reused across steps) the sharded one's current ``requires_grad``, so
+        a parameter frozen after ``fully_shard`` gets no gradient and one unfrozen gets it again."""
+        if self.unsharded is not None and self.unsharded.requires_grad != self.requires_grad:
+            self.unsharded.requires_grad_(self.requires_grad)
 
     def set_on_modules(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` under every name this parameter has (bypasses nn.Module's type checks)."""

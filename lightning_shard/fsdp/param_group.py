@@ -313,6 +313,7 @@ class FSDPParamGroup:
                 data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
                 fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
                 mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
+            fp.sync_requires_grad()
             views.append(fp.unsharded)
         return views
 

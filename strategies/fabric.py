@@ -401,7 +401,8 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         return remainder
 
     def _load_sharded(self, path, module_key, module, optimizers, requested, strict, weights_only) -> dict[str, Any]:
-        saved = _top_level_entries(path)
+        keys = loading.saved_keys(path)
+        saved = _top_level_entries(keys)
         model_src = _source_key(module_key, saved, [_TRAINER_MODEL_KEY])
         to_load = {model_src: get_model_state_dict(module)}
         optim_src = {}
@@ -410,6 +411,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             if src is not None:
                 optim_src[key] = src
                 to_load[src] = get_optimizer_state_dict(module, optimizer)
+                loading.group_settings_as_saved(to_load[src], src, keys)
 
         def check_optimizers(loaded: dict[str, Any]) -> None:  # the param groups, before anything is copied
             for key, src in optim_src.items():

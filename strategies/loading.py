@@ -57,6 +57,37 @@ def model_entry(entries: set[str], path: str | os.PathLike) -> str:
     )
 
 
+def saved_keys(path: str | os.PathLike) -> set[str]:
+    """Every key a sharded checkpoint directory stores, flattened as DCP names them
+    (``"state_dict.blocks.0.up.weight"``, ``"optimizer_0.param_groups.0.lr"``, ...)."""
+    from lightning_shard.checkpoint._safe_io import SafeFileSystemReader
+
+    return set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def group_settings_as_saved(optim_state: dict[str, Any], entry: str, keys: set[str]) -> None:
+    """Make the param groups of an optimizer-state template (``get_optimizer_state_dict``) ask for exactly the
+    group settings (lr, betas, initial_lr, ...) that the checkpoint's ``entry`` holds.
+
+    Settings are not state: as with torch's ``Optimizer.load_state_dict``, the checkpoint's settings are the
+    ones the optimizer gets, and a difference in which settings exist is no mismatch. A setting only the
+    optimizer has keeps its value: the ``initial_lr`` an LR scheduler added after the save (Lightning's
+    ``lr_find`` restores its checkpoint into the optimizer it gave a scheduler). One only the checkpoint has is
+    loaded (a run saved with a scheduler, resumed without). Parameters and state tensors stay strict.
+
+    Example: ``group_settings_as_saved(state["optimizer_0"], "optimizer_0", saved_keys(path))``.
+    """
+    for i, group in enumerate(optim_state["param_groups"]):
+        prefix = f"{entry}.param_groups.{i}."
+        saved = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
+        if not saved:
+            continue  # a group the checkpoint does not have: check_param_groups names the difference
+        for name in [n for n in group if n != "params" and n not in saved]:
+            del group[name]
+        for name in saved - set(group):
+            group[name] = None  # read from the checkpoint
+
+
 def load_full_file(path: str | os.PathLike, *, weights_only: bool = True) -> Any:
     """``torch.load`` of a full checkpoint file onto the host, memory-mapped where the format allows.
 

@@ -665,11 +665,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return checkpoint
 
     def _load_sharded(self, path: Path, optimizers: list, strict: bool) -> dict[str, Any]:
-        saved = _top_level_entries(path)
+        keys = loading.saved_keys(path)
+        saved = _top_level_entries(keys)
         state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+                loading.group_settings_as_saved(state[f"optimizer_{i}"], f"optimizer_{i}", keys)
 
         def check_optimizers(loaded: dict[str, Any]) -> None:  # the param groups, before anything is copied
             for i, optimizer in enumerate(optimizers):
@@ -818,11 +820,8 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = moved[id(t)]
 
 
-def _top_level_entries(path: Path) -> set[str]:
-    """The top-level names ("state_dict", "optimizer_0", ...) stored in a sharded checkpoint directory."""
-    from lightning_shard.checkpoint._safe_io import SafeFileSystemReader
-
-    keys = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _top_level_entries(keys: set[str]) -> set[str]:
+    """The top-level names ("state_dict", "optimizer_0", ...) among a sharded checkpoint's ``loading.saved_keys``."""
     return {key.split(".", 1)[0] for key in keys}
 
 

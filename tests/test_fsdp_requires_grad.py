@@ -102,3 +102,62 @@ def test_backbone_finetuning_callback_trains_the_unfrozen_backbone():
     ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
     for name, ref in reference.items():
         assert torch.allclose(ours[name], ref, atol=1e-5), (name, (ours[name] - ref).abs().max().item())
+
+
+class LitToggled(LitGPT):
+    """A GAN-style manual step: each optimizer in turn, with Lightning's ``toggle_optimizer`` (every parameter
+    of the other optimizer frozen for that round) and ``zero_grad`` after the step, as Lightning's docs write it.
+    A frozen parameter that still got a gradient would carry it into its own optimizer's next step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        half = x.shape[0] // 2
+        for opt, rows in zip(self.optimizers(), (slice(0, half), slice(half, None))):
+            self.toggle_optimizer(opt)
+            self.manual_backward(loss_fn(self.model, x[rows], y[rows]))
+            opt.step()
+            opt.zero_grad()
+            self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self):
+        blocks, rest = _blocks_and_rest(self.model)
+        return torch.optim.SGD(blocks, lr=LR, momentum=0.9), torch.optim.AdamW(rest, lr=1e-2)
+
+
+def _blocks_and_rest(model):
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [p for n, p in named if n.startswith("blocks.")], [p for n, p in named if not n.startswith("blocks.")]
+
+
+def _toggled_reference(world: int, per_rank_batch: int, steps: int) -> dict[str, torch.Tensor]:
+    model = _seeded_model("gpt")
+    blocks, rest = _blocks_and_rest(model)
+    opts = (torch.optim.SGD(blocks, lr=LR, momentum=0.9), torch.optim.AdamW(rest, lr=1e-2))
+    data = dataset()
+    for idx in sampler_batches(world, per_rank_batch)[:steps]:
+        x, y = data[idx]
+        ranks, half = torch.arange(x.shape[0]).reshape(world, per_rank_batch), per_rank_batch // 2
+        for opt, other, rows in ((opts[0], rest, ranks[:, :half]), (opts[1], blocks, ranks[:, half:])):
+            for p in other:
+                p.requires_grad_(False)
+            loss_fn(model, x[rows.flatten()], y[rows.flatten()]).backward()
+            opt.step()
+            opt.zero_grad()
+            for p in other:
+                p.requires_grad_(True)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@distributed(world_size=2)
+def test_toggle_optimizer_in_manual_optimization_equals_one_process():
+    module = LitToggled()
+    trainer = _trainer(max_steps=-1, max_epochs=1, limit_train_batches=3)
+    trainer.fit(module)
+    reference = _toggled_reference(world=2, per_rank_batch=module.per_rank_batch, steps=3)
+    ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
+    for name, ref in reference.items():
+        assert torch.allclose(ours[name], ref, atol=1e-5), (name, (ours[name] - ref).abs().max().item())

@@ -215,6 +215,11 @@ class DeviceMesh:
         return cls(torch_mesh.device_type, torch_mesh.mesh, mesh_dim_names=torch_mesh.mesh_dim_names, _groups=groups)
 
     # ------------------------------------------------------------------ misc
+    def __deepcopy__(self, memo: dict) -> DeviceMesh:
+        """A mesh names process groups, which exist once per process: a deep copy of a model (an EMA or
+        teacher copy, Lightning's ``StochasticWeightAveraging``) shares its mesh, as it shares its devices."""
+        return self
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"

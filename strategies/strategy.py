@@ -288,6 +288,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
+        _refuse_unsupported_callbacks(self.lightning_module)  # on every rank, before the process group exists
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -818,6 +819,26 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 else:
                     moved[id(t)] = t.detach().to(device)
             module._buffers[name] = moved[id(t)]
+
+
+def _refuse_unsupported_callbacks(module) -> None:
+    """Callbacks that cannot work on a sharded model raise here, naming the fix (Lightning's FSDPStrategy
+    refuses the same ones).
+
+    ``StochasticWeightAveraging`` keeps a deep copy of the unsharded LightningModule (the whole model on every
+    rank) and averages it with the sharded parameters, which mixes full tensors with shards.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    trainer = getattr(module, "_trainer", None)
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if isinstance(callback, StochasticWeightAveraging):
+            raise ValueError(
+                "shard_fsdp_tp: the StochasticWeightAveraging callback does not support sharded models (it keeps "
+                "an unsharded copy of the whole model on every rank); remove it. For a weight average, build a second "
+                "copy of the model in configure_model (the strategy shards it like the first) and update it from "
+                "the trained parameters under torch.no_grad(), e.g. avg.lerp_(param, 0.1), in on_train_batch_end"
+            )
 
 
 def _top_level_entries(keys: set[str]) -> set[str]:

@@ -55,6 +55,15 @@ class FSDPModule:
 
     _fsdp_state: FSDPState
 
+    def __deepcopy__(self, memo: dict):
+        # A copy would share (or half-copy) the group's flat buffers, freed unsharded storage and hooks: torch's
+        # FSDP2 refuses too. Refused before copy.deepcopy touches any tensor (a freed unsharded view crashes it).
+        raise TypeError(
+            f"copy.deepcopy: {type(self).__name__} is sharded by fully_shard and cannot be deep-copied. For a "
+            "second copy of the weights (EMA, teacher), build the copy before sharding and shard it too, or "
+            "load get_model_state_dict(model) into a second model; to save, use a state dict"
+        )
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (e.g. before a custom forward); ``async_op`` returns a handle."""
         groups = [self._fsdp_state.group] if self._fsdp_state.group is not None else []

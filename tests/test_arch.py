@@ -78,6 +78,25 @@ def test_batchnorm_per_rank_statistics(tmp_path):
     assert means[0] != means[1]  # the ranks' statistics differ (they saw different rows)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_sync_batchnorm_flag(tp):
+    # Trainer(sync_batchnorm=True) was ignored (per-rank statistics, no error); now the BatchNorm layers become
+    # nn.SyncBatchNorm over the data-parallel ranks, which torch runs on accelerators only: on CPU its forward
+    # raises on every rank (torch's ValueError), before any collective.
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    module = LitArch("bn_cnn")
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp)
+    trainer = _trainer(strategy=strategy, max_steps=1, sync_batchnorm=True)
+    with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+        trainer.fit(module)
+    norms = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    assert len(norms) == 2 and all(isinstance(m, torch.nn.SyncBatchNorm) for m in norms)
+    for m in norms:  # all ranks see different data with TP 1; with TP 2 both ranks see the same batch
+        assert (m.process_group is None) if tp == 1 else dist.get_world_size(m.process_group) == 1
+
+
 # ---------------------------------------------------------------------------------------------- 3. parametrizations
 @distributed(world_size=2)
 def test_parametrizations_fsdp():

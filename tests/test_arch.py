@@ -73,9 +73,28 @@ def test_batchnorm_per_rank_statistics(tmp_path):
     # Batch statistics over each rank's own rows and running statistics of its own batches, as torch's FSDP2
     # and DDP (without broadcast_buffers) keep them; eval mode uses this rank's running statistics.
     module, trainer, _ = fit_and_compare("bn_cnn", per_rank_buffers=True)
-    means = [None, None]
-    dist.all_gather_object(means, module.model.blocks[0].bn.running_mean.tolist())
-    assert means[0] != means[1]  # the ranks' statistics differ (they saw different rows)
+    stats = [None, None]
+    dist.all_gather_object(stats, {n: b.clone() for n, b in module.model.named_buffers()})
+    assert not torch.equal(stats[0]["blocks.0.bn.running_mean"], stats[1]["blocks.0.bn.running_mean"])
+    # Checkpoints hold rank 0's buffers (a buffer is a plain replicated tensor: rank 0 writes it), in both forms;
+    # loading gives every rank those, so a resumed run starts from one set of statistics.
+    sharded = str(tmp_path / "bn_sharded")
+    trainer.save_checkpoint(sharded)
+    loaded = LitArch("bn_cnn")
+    _trainer(strategy=strategies.ShardFSDPTPStrategy(), limit_val_batches=1.0).validate(
+        loaded, ckpt_path=sharded, verbose=False
+    )
+    for n, b in loaded.model.named_buffers():
+        assert torch.equal(b, stats[0][n]), n
+    full = str(tmp_path / "bn_full.ckpt")
+    full_trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(state_dict_type="full"), max_steps=1)
+    full_trainer.fit(LitArch("bn_cnn"))
+    rank0 = {n: b.clone() for n, b in full_trainer.lightning_module.model.named_buffers()}
+    full_trainer.save_checkpoint(full)
+    if dist.get_rank() == 0:
+        saved = torch.load(full, weights_only=True)["state_dict"]
+        for n, b in rank0.items():
+            assert torch.equal(saved[f"model.{n}"], b), n
 
 
 @pytest.mark.parametrize("tp", [1, 2])

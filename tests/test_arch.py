@@ -231,3 +231,18 @@ def test_gradient_only_where_some_rank_computed_one():
             opt.step()
     worst = _worst(dict(model.named_parameters()), dict(ref.named_parameters()))
     assert worst[0][0] < TOL, worst
+
+
+@distributed(world_size=2, timeout=120)
+def test_max_norm_forward_on_rank_zero_inside_summon_full_params():
+    # FSDP hooks are off inside summon_full_params, so a forward on rank 0 only must not wait for rank 1: the
+    # max_norm hook's all-reduce is skipped there (the module renormalises its full parameter itself).
+    from lightning_shard.fsdp import fully_shard, summon_full_params
+    from tests.arch_models import MaxNormEmbedding
+
+    torch.manual_seed(0)
+    model = fully_shard(MaxNormEmbedding())
+    with summon_full_params(model, writeback=False, rank0_only=True):
+        if dist.get_rank() == 0:
+            model(torch.randint(0, 16, (2, 6)))
+    dist.barrier()

@@ -66,6 +66,11 @@ class _RenormHook:
         if not isinstance(indices, torch.Tensor):
             return  # called with keywords: nn.Embedding's own forward would fail on it anyway
         group, fp = self.group, self.group.params[self.index]
+        weight = module._parameters["weight"]
+        if weight is not fp.sharded and weight is not fp.unsharded:
+            # Inside summon_full_params (FSDP hooks off; e.g. a forward on rank 0 only, which a collective here
+            # would hang): the module holds the full parameter, which its own forward renormalises.
+            return
         if hasattr(indices, "full_tensor"):
             indices = indices.full_tensor()
         rows = self._rows_looked_up_anywhere(indices.reshape(-1), module.num_embeddings, group)
@@ -75,7 +80,6 @@ class _RenormHook:
             local = rows[(rows >= start) & (rows < start + shard.shape[0])] - start
             if local.numel():
                 torch.embedding_renorm_(shard, local.to(shard.device), module.max_norm, module.norm_type)
-            weight = module._parameters["weight"]
             if group.is_unsharded and weight is fp.unsharded:
                 unsharded = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
                 torch.embedding_renorm_(unsharded, rows.to(unsharded.device), module.max_norm, module.norm_type)

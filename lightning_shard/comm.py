@@ -36,6 +36,7 @@ __all__ = [
     "reduce_scatter_scratch",
     "reduces_in_place",
     "all_reduce",
+    "all_reduce_flags",
     "all_to_all_single",
     "broadcast",
     "broadcast_object",
@@ -208,6 +209,17 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", 
         tensor.div_(dist.get_world_size(group))
         return work
     return dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=async_op)
+
+
+def all_reduce_flags(flags: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """In-place max all-reduce of a small integer flag vector (e.g. which parameters of an FSDP group got a
+    gradient on any rank). Counted as its own kind, ``"all_reduce_flags"``, apart from the all-reduces of data.
+
+    Example: ``work = all_reduce_flags(torch.tensor([1, 0], dtype=torch.int32), group, async_op=True)``.
+    """
+    check_devices("all_reduce_flags", group, flags)
+    _record("all_reduce_flags", flags)
+    return dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
 
 
 def all_to_all_single(

@@ -493,8 +493,27 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def _apply_layer_sync(self, model: nn.Module) -> None:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm layers become ``nn.SyncBatchNorm``, as Lightning's DDP and
+        FSDP strategies convert them, with statistics over the ranks that see different data: all ranks, or
+        under tensor parallelism this rank's data-parallel group (the ranks of one TP group see the same batch,
+        and counting it once per TP rank would skew the running variance's correction). A custom
+        ``LayerSync`` plugin is applied as it is."""
+        from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+        layer_sync = getattr(self, "_layer_sync", None)
+        if layer_sync is None:
+            return
+        if isinstance(layer_sync, TorchSyncBatchNorm):
+            tp = self.device_mesh.size("tensor_parallel")
+            group = None if tp == 1 else self.device_mesh["data_parallel"].get_group()
+            nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+        else:
+            layer_sync.apply(model)
+
     def _parallelize(self, model: nn.Module) -> None:
         model = self.precision_plugin.convert_module(model)
+        self._apply_layer_sync(model)
         has_meta = any(p.is_meta for p in model.parameters())
         if not has_meta:
             # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its

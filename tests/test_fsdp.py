@@ -140,7 +140,8 @@ def _reduce_scatter_as_all_reduce():
     calls = []
 
     def counting_all_reduce(*args, **kwargs):
-        calls.append(args[0].numel())
+        if args[0].is_floating_point():  # not the flags of which parameters got a gradient (GradientPresence)
+            calls.append(args[0].numel())
         return original_all_reduce(*args, **kwargs)
 
     comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = 0, counting_all_reduce
@@ -251,6 +252,7 @@ def test_collective_counts_per_step():
         assert counts.calls["all_gather"] == gathers_per_block * n_blocks + 1
         assert counts.calls["reduce_scatter"] == n_blocks + 1
         assert counts.calls["all_reduce"] == 0
+        assert counts.calls["all_reduce_flags"] == n_blocks + 1  # which parameters got a gradient, per group
         assert _storage_freed(model)
 
 

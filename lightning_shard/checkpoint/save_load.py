@@ -342,7 +342,11 @@ def _without_zip_crc32() -> Iterator[None]:
 
 def _write_all(converted: dict, tmp: str, path: str, ckpt_id: str, extra_files: Mapping[str, bytes]) -> None:
     os.makedirs(tmp, exist_ok=True)
-    planner = ChecksumSavePlanner(algorithm=DEFAULT_ALGORITHM)
+    # An entry every rank holds (a plain tensor such as a BatchNorm's running statistics, which each
+    # data-parallel rank keeps for its own batches; a replicated DTensor's chunk) is written by its lowest rank:
+    # the documented "rank 0's value", the same rank as in a full checkpoint. DCP's default balances such
+    # entries over the ranks instead, so the statistics saved came from any rank.
+    planner = ChecksumSavePlanner(algorithm=DEFAULT_ALGORITHM, dedup_save_to_lowest_rank=True)
     try:
         with _without_zip_crc32():
             writer = ChecksumFileSystemWriter(tmp, sync_files=True)

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data, same_storage
+from lightning_shard.fsdp.max_norm import install_max_norm_hooks
 from lightning_shard.fsdp.optimizer_guard import install_step_guard
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.param_group import FSDPParamGroup, MeshInfo
@@ -173,6 +174,8 @@ def fully_shard(
     params, originals = _collect_params(modules, ignored, device, mesh)
     registered = [module._parameters[name] for module, name in (fp.refs[0] for fp in params)]
     group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
+    if group is not None:
+        install_max_norm_hooks(group)  # embeddings whose forward renormalises their weight in place
     _mark_taken(modules, params, registered)
     state = FSDPState(modules, group, mp_policy, bool(reshard))
     if group is not None:

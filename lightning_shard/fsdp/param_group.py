@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import comm
-from lightning_shard.device import handle_for, same_storage
+from lightning_shard.device import handle_for, has_data, same_storage
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.optimizer_guard import mark_unsharded
 from lightning_shard.fsdp.param import FSDPParam
@@ -126,6 +126,58 @@ class GradientBufferChoice:
         return not (self.casts or self.offloads or self.has_grads or self.reduces_in_place)
 
 
+class GradientPresence:
+    """Which parameters of a group got a gradient in a backward on any rank, so that the others keep ``.grad``
+    None, as on one device.
+
+    The reduce-scatter gives every rank a shard of every parameter's gradient (zeros where a rank computed
+    none), so without this each parameter of a group that reduced would get a ``.grad``, also one that no rank
+    used (a module defined but not called, a branch not taken). An optimizer treats a zero ``.grad`` and
+    ``None`` differently: AdamW's weight decay and SGD's momentum and weight decay move a parameter with a
+    zero gradient and skip one without. The decision must be the same on every rank (their optimizers update
+    shards of the same parameters), and a parameter used on some ranks only has a gradient: so one small
+    all-reduce (max) of one flag per parameter, issued with the reduce-scatter (asynchronous) and read at the
+    end of backward (``FSDPParamGroup.wait_for_gradients``; on an accelerator, one read of a few bytes), as
+    DDP all-reduces its "locally used" map with ``find_unused_parameters=True``. A parameter that already had
+    a ``.grad`` before this backward (gradient accumulation) keeps it.
+
+    Example: ``presence.start([True, False], mesh_info, device)``, then after the reduction
+    ``presence.note_fresh([True, True])``; ``presence.finish()`` -> ``[1]`` when no rank had the second one.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pending: list[tuple[object, torch.Tensor, MeshInfo]] = []
+        self.fresh: list[bool] | None = None  # per parameter: no ``.grad`` before this backward's reductions
+
+    def start(self, local: list[bool], mesh_info: MeshInfo, device: torch.device) -> None:
+        flags = torch.tensor(local, dtype=torch.int32).to(device, non_blocking=True)
+        work = comm.all_reduce_flags(flags, mesh_info.shard_group, async_op=True)
+        self.pending.append((work, flags, mesh_info))
+
+    def note_fresh(self, fresh: list[bool]) -> None:
+        if self.fresh is None:
+            self.fresh = fresh
+
+    def finish(self) -> list[int]:
+        """The indices of the parameters whose ``.grad`` must go back to None (no rank had a gradient)."""
+        pending, self.pending = self.pending, []
+        fresh, self.fresh = self.fresh, None
+        if not pending:
+            return []
+        anywhere = None
+        for work, flags, mesh_info in pending:
+            if work is not None:
+                work.wait()
+            if mesh_info.replicate_group is not None:  # HSDP: and across replicas
+                comm.all_reduce_flags(flags, mesh_info.replicate_group)
+            anywhere = flags if anywhere is None else torch.maximum(anywhere, flags)
+        if fresh is None or not has_data(anywhere):
+            return []  # no reduction finished (nothing assigned), or the simulator's fake tensors: no values
+        used = anywhere.tolist()
+        return [i for i in range(self.n) if fresh[i] and not used[i]]
+
+
 class FSDPParamGroup:
     """Flat-buffer sharded storage and the unshard / reshard / reduce steps of one group (module docstring)."""
 
@@ -168,6 +220,8 @@ class FSDPParamGroup:
         self.pending_all_gather: collectives.CollectiveHandle | None = None
         self.pending_reduce: collectives.CollectiveHandle | None = None
         self.accumulated_grads: list[torch.Tensor | None] | None = None  # no-sync micro-batches
+        # Which parameters got a gradient on any rank in this backward (``GradientPresence``).
+        self.presence = GradientPresence(len(params))
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.post_forward: PostForwardShard | None = None  # reshard_after_forward=<int> (configure_post_forward)
@@ -383,6 +437,7 @@ class FSDPParamGroup:
             self.accumulated_grads = grads
             return
         self.finish_reduce()  # at most one reduce-scatter in flight per group
+        self.presence.start([g is not None for g in grads], self.mesh_info, self.device)
         predivide, _ = self._divide_factors()
         self.pending_reduce = collectives.start_reduce_scatter(
             self.layout,
@@ -419,6 +474,7 @@ class FSDPParamGroup:
             self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group, self.handle
         )
         self.grad_offload_event = event or self.grad_offload_event
+        self.presence.note_fresh([fp.requires_grad and fp.sharded.grad is None for fp in self.params])
         self._assign_grads(grad_flat)
 
     def wait_for_gradients(self) -> None:
@@ -428,6 +484,8 @@ class FSDPParamGroup:
         if self.grad_offload_event is not None:
             self.handle.wait_event(self.grad_offload_event)
             self.grad_offload_event = None
+        for i in self.presence.finish():
+            self.params[i].sharded.grad = None  # no rank computed one: leave it None, as one device does
 
     def _divide_factors(self) -> tuple[float | None, float | None]:
         return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)

@@ -362,9 +362,15 @@ def _embedding_unshardable(fqn: str, modules: dict[str, nn.Module]) -> str | Non
     used any other way meets plain tensors in the model's own code (an error in forward at best). Two such
     ways are visible in the source: a subclass whose ``forward`` does not pass its first argument straight to
     ``super().forward`` / ``F.embedding`` (BART's learned positions compute their own position ids), and a
-    parent class reading ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+    parent class reading ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``). A third is ``max_norm``: the
+    lookup renormalises whole rows of the weight in place, which no rank holding a slice of the rows can do
+    for the rows the others look up.
     """
     m = modules[fqn]
+    if getattr(m, "max_norm", None) is not None:
+        # Its forward renormalises whole rows of the weight in place; FSDP repeats that on the master weight for
+        # a replicated weight only (lightning_shard.fsdp.max_norm).
+        return f"max_norm={m.max_norm} renormalises whole rows of the weight in place"
     forward = type(m).forward
     if forward is not nn.Embedding.forward:
         first = _first_arg(m)

@@ -79,7 +79,16 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def is_linear(module: nn.Module) -> bool:
-    """``nn.Linear`` or Hugging Face's transposed ``Conv1D``: what Colwise/Rowwise shard besides embeddings."""
+    """``nn.Linear`` or Hugging Face's transposed ``Conv1D``: what Colwise/Rowwise shard besides embeddings.
+
+    Not one whose ``weight`` is computed rather than registered (``torch.nn.utils.parametrize``:
+    ``weight_norm``, ``spectral_norm``, ...; the old ``nn.utils.weight_norm`` hook): the styles shard the
+    ``weight`` parameter itself, and reading a parametrized ``weight`` runs its parametrization (spectral
+    norm's power iteration updates its ``_u``/``_v`` buffers at every read in training mode). Such modules
+    stay replicated.
+    """
+    if (isinstance(module, nn.Linear) or is_conv1d(module)) and "weight" not in module._parameters:
+        return False
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 

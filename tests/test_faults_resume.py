@@ -127,6 +127,7 @@ def test_ours_two_to_dp2_tp2(checkpoints):
     run_distributed(_resume_adamw, 4, checkpoints("ours_llama"), "llama", 2)
 
 
+@pytest.mark.slow
 def test_lightning_fsdp_sharded_two_to_one(checkpoints):
     run_distributed(_resume_adamw, 1, checkpoints("fsdp"))
 

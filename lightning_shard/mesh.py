@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from lightning_shard import comm
 from lightning_shard.device import handle_for
 
-__all__ = ["DeviceMesh", "init_device_mesh", "group_backend"]
+__all__ = ["DeviceMesh", "init_device_mesh", "group_backend", "world_timeout"]
 
 
 def _real_tensors(fn):
@@ -181,7 +181,7 @@ class DeviceMesh:
         if key not in _GROUP_CACHE:
             mine = None
             for ranks in blocks:
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, timeout=world_timeout())
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -271,7 +271,7 @@ class DeviceMesh:
                 if ranks == list(range(dist.get_world_size())) and backend is None:
                     group = dist.group.WORLD  # a dim spanning the world in order: no new group needed
                 else:
-                    group = dist.new_group(ranks, backend=backend)
+                    group = dist.new_group(ranks, backend=backend, timeout=world_timeout())
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -326,6 +326,28 @@ def group_backend(device_type: str) -> str | None:
     if device_type == "cpu" or {device_type, "cpu"} <= comm.served_device_types(dist.group.WORLD):
         return None
     return handle_for(device_type).cpu_capable_backend
+
+
+def world_timeout() -> timedelta | None:
+    """The default group's timeout, given to every group a mesh creates.
+
+    ``dist.new_group`` without a timeout gives a group its backend's default (30 minutes on gloo and NCCL),
+    whatever the default group was created with; torch's own DeviceMesh does that. A rank left waiting in a
+    collective of a sub-group (tensor parallel, a data-parallel dim that is not the whole world) for a peer
+    that failed would then wait 30 minutes, not the ``timeout`` the user gave ``init_process_group`` (the
+    Lightning strategy's ``timeout=``). None (the backend's default) when the default group does not say.
+
+    >>> dist.init_process_group("gloo", timeout=timedelta(seconds=60)); world_timeout()
+    datetime.timedelta(seconds=60)
+    """
+    world = dist.group.WORLD
+    timeouts = []
+    for device_type in sorted(comm.served_device_types(world)):
+        try:
+            timeouts.append(world._get_backend(torch.device(device_type)).options._timeout)
+        except Exception:  # noqa: BLE001 - a fake or custom backend without options: the backend's default
+            continue
+    return min(timeouts) if timeouts else None
 
 
 def _set_device_if_unset(device_type: str) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_shard import comm
-from lightning_shard.mesh import DeviceMesh, group_backend
+from lightning_shard.mesh import DeviceMesh, group_backend, world_timeout
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.placements import Replicate
 
@@ -138,7 +138,9 @@ def _group_over(mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple[tuple, dist.Pr
         else:
             # Only the members call this (every rank of the group does, in the same order of first use), so
             # sub-meshes whose other groups this rank cannot see work too.
-            _FLAT_GROUPS[ranks] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+            _FLAT_GROUPS[ranks] = dist.new_group(
+                list(ranks), backend=backend, timeout=world_timeout(), use_local_synchronization=True
+            )
     return ranks, _FLAT_GROUPS[ranks]
 
 

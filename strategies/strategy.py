@@ -666,6 +666,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
+        _check_seen_alike(path)
         if path.is_dir():
             return self._load_sharded(path, optimizers, strict)
         if not path.is_file():
@@ -768,6 +769,23 @@ def _write_atomically(obj: dict[str, Any], path: Path, who: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _check_seen_alike(path: Path) -> None:
+    """Raise on every rank unless every rank sees ``path`` as the same kind of thing (a directory, a file, or
+    nothing): a rank that does not see it (a node-local disk, a per-node mount) would raise alone while the others
+    went on into the load's collectives and waited for it until the process group's timeout."""
+    kind = "a directory" if path.is_dir() else "a file" if path.is_file() else "missing"
+    if not _distributed_is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    kinds = comm.all_gather_objects(kind)
+    if len(set(kinds)) > 1:
+        seen = {k: [rank for rank, other in enumerate(kinds) if other == k] for k in dict.fromkeys(kinds)}
+        described = "; ".join(f"{k} on rank(s) {ranks}" for k, ranks in seen.items())
+        raise FileNotFoundError(
+            f"shard_fsdp_tp: the checkpoint {path} is not the same on every rank ({described}); put it on a "
+            "filesystem every rank sees (a shared path), or copy it to the same path on every node"
+        )
 
 
 def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:

@@ -263,6 +263,13 @@ def _finish(tmp: str, path: str, ckpt_id: str, digests: list, extra_files: Mappi
     entries: dict[str, str] = {}
     for part in digests:
         entries.update(part)
+    try:  # every rank's data file must be here: a rank writing to its own disk would leave a hole in the checkpoint
+        check_files(tmp, SafeFileSystemReader(tmp).read_metadata())
+    except CheckpointCorruptError as e:
+        raise CheckpointError(
+            f"save: every rank wrote its shards, but rank 0 does not see them all in {tmp} ({e}); {path} must be "
+            "on a filesystem every rank sees (a shared path, not a node-local disk); nothing was published"
+        ) from e
     with open(os.path.join(tmp, ".metadata"), "rb") as f:
         files = {".metadata": digest(f.read(), DEFAULT_ALGORITHM)}
     for name, data in extra_files.items():
@@ -338,6 +345,30 @@ def _without_zip_crc32() -> Iterator[None]:
         yield
     finally:
         config.compute_crc32 = before
+
+
+def _agree_before_reading(error: Exception | None, path: str) -> None:
+    """Raise on every rank if the checks before reading failed on any rank (one small all-gather).
+
+    The checks read only local files; a directory that one rank does not see (a node-local disk) or a state that
+    differs between ranks fails them on some ranks only, and those ranks would raise while the others entered DCP's
+    collectives and waited for them until the process group's timeout. A failing rank raises its own error; the
+    others a ``CheckpointError`` naming the failing ranks and the first error.
+    """
+    if not _dist() or _fake_world():
+        if error is not None:
+            raise error
+        return
+    outcomes = comm.all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if failed:
+        raise CheckpointError(
+            f"load({path}): the checks before reading failed on rank(s) {[rank for rank, _ in failed]} (rank "
+            f"{failed[0][0]}: {failed[0][1]}); nothing was modified on any rank. If only some ranks fail, {path} is "
+            "probably not on a filesystem every rank sees: use a shared path"
+        )
 
 
 def _write_all(converted: dict, tmp: str, path: str, ckpt_id: str, extra_files: Mapping[str, bytes]) -> None:
@@ -560,15 +591,20 @@ def load(
         load(state, "ckpts/step3")          # the model's parameters now hold the checkpoint's values
     """
     path = os.path.abspath(os.fspath(path))
-    check_checkpoint_dir(path, require_marker=require_marker)
-    if not isinstance(state, dict):
-        raise TypeError(f"load: state must be a dict (e.g. {{'model': ...}}), got {type(state).__name__}")
-    reader = SafeFileSystemReader(path)
-    metadata = reader.read_metadata()
-    check_files(path, metadata)
-    converted = _to_dcp(state)
-    dtypes = _validate(converted, metadata, path, strict)
-    flat, fresh, shadow = _shadow(converted, dtypes)
+    error: Exception | None = None
+    try:  # the checks (no data read, no collective) ...
+        check_checkpoint_dir(path, require_marker=require_marker)
+        if not isinstance(state, dict):
+            raise TypeError(f"load: state must be a dict (e.g. {{'model': ...}}), got {type(state).__name__}")
+        reader = SafeFileSystemReader(path)
+        metadata = reader.read_metadata()
+        check_files(path, metadata)
+        converted = _to_dcp(state)
+        dtypes = _validate(converted, metadata, path, strict)
+        flat, fresh, shadow = _shadow(converted, dtypes)
+    except Exception as e:
+        error = e
+    _agree_before_reading(error, path)  # ... failed on some rank: every rank raises before DCP's collectives
     try:
         dcp.load(
             shadow,

@@ -54,30 +54,45 @@ class _State:
 
     # -- single-mesh-dim steps -------------------------------------------------------------------------
     def all_gather(self, mesh_dim: int) -> None:
-        """Shard -> Replicate on ``mesh_dim``; the shard must be the last applied on its tensor dim."""
+        """Shard -> Replicate on ``mesh_dim``; the shard must be the last applied on its tensor dim.
+
+        Each rank sends its shard as it lies in memory (padded along ``d`` to the largest chunk when uneven) and
+        the gathered pieces are put side by side along ``d`` in one copy. Moving ``d`` to the front first (so
+        that the gathered buffer is the result) would copy the shard once more and hold that copy during the
+        collective: 0.5x the result's size extra at the peak on 2 ranks (the logits of a column-parallel LM
+        head: ``docs/benchmarks.md``, "TP 2"); torch's DTensor gathers along dim 0 the same way."""
         d = self.placements[mesh_dim].dim
         lengths = self.lengths_along(mesh_dim, d)
         chunk = max(lengths)
-        x = self.local.movedim(d, 0)
-        if x.shape[0] < chunk:
-            x = torch.cat([x, x.new_zeros((chunk - x.shape[0], *x.shape[1:]))])
+        x = self.local
+        if x.shape[d] < chunk:
+            pad = list(x.shape)
+            pad[d] = chunk - x.shape[d]
+            x = torch.cat([x, x.new_zeros(pad)], dim=d)
         x = x.contiguous()
-        out = x.new_empty((len(lengths) * chunk, *x.shape[1:]))
+        out = x.new_empty((len(lengths) * x.shape[0], *x.shape[1:]))
         comm.all_gather_into(out, x, self.mesh.get_group(mesh_dim))
         if d == 0 and all(n == chunk for n in lengths):
             self.local = out  # already in place: no copy
         else:
-            # One copy that drops the padding and puts dim d back, leaving a contiguous tensor.
-            self.local = torch.cat([p[:n].movedim(0, d) for p, n in zip(out.split(chunk), lengths)], dim=d)
+            # One copy that drops the padding and joins the pieces along dim d, leaving a contiguous tensor.
+            pieces = out.view(len(lengths), *x.shape).unbind(0)
+            self.local = torch.cat([p.narrow(d, 0, n) for p, n in zip(pieces, lengths)], dim=d)
         self.fresh = True
         self.placements[mesh_dim] = Replicate()
 
     def chunk(self, mesh_dim: int, placement: Placement) -> None:
-        """Replicate -> Shard on ``mesh_dim``; it must become the last applied shard on its tensor dim."""
+        """Replicate -> Shard on ``mesh_dim``; it must become the last applied shard on its tensor dim.
+
+        A chunk of a buffer this plan made (after a gather or a reduction) is copied out of it, as torch's
+        DTensor does: a view would keep the whole buffer alive for as long as the shard lives."""
         d = placement.dim
         start, length = chunk_range(self.local.shape[d], self.mesh_shape[mesh_dim], self.coord[mesh_dim])
         view = self.local.narrow(d, start, length)
-        self.local = view.contiguous()
+        if self.fresh and view.is_contiguous() and view.numel() < self.local.numel():
+            self.local = view.clone()
+        else:
+            self.local = view.contiguous()
         self.fresh = self.fresh or self.local is not view
         self.placements[mesh_dim] = placement
 

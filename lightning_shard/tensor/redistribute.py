@@ -82,17 +82,11 @@ class _State:
         self.placements[mesh_dim] = Replicate()
 
     def chunk(self, mesh_dim: int, placement: Placement) -> None:
-        """Replicate -> Shard on ``mesh_dim``; it must become the last applied shard on its tensor dim.
-
-        A chunk of a buffer this plan made (after a gather or a reduction) is copied out of it, as torch's
-        DTensor does: a view would keep the whole buffer alive for as long as the shard lives."""
+        """Replicate -> Shard on ``mesh_dim``; it must become the last applied shard on its tensor dim."""
         d = placement.dim
         start, length = chunk_range(self.local.shape[d], self.mesh_shape[mesh_dim], self.coord[mesh_dim])
         view = self.local.narrow(d, start, length)
-        if self.fresh and view.is_contiguous() and view.numel() < self.local.numel():
-            self.local = view.clone()
-        else:
-            self.local = view.contiguous()
+        self.local = view.contiguous()
         self.fresh = self.fresh or self.local is not view
         self.placements[mesh_dim] = placement
 
@@ -251,7 +245,12 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
                 st.shard(i, want)
             elif want.is_partial():
                 st.replicate_to_partial(i, want)
-    return st.local
+    local = st.local
+    if st.fresh and local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # A chunk of a buffer this plan made (a gather, then a chunk on another mesh dim): copied out once, at
+        # the end, so that the shard does not keep the whole buffer alive (torch's DTensor copies every chunk).
+        local = local.clone()
+    return local
 
 
 def _is_last_plain(st: _State, mesh_dim: int, tensor_dim: int) -> bool:

@@ -200,8 +200,13 @@ class _State:
 _CARRIERS = {torch.int16: torch.int32, torch.uint16: torch.int32}
 
 
-def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement]) -> torch.Tensor:
+def redistribute_local(
+    local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement], *, compact: bool = True
+) -> torch.Tensor:
     """The local shard, under ``target`` placements, of the DTensor whose local shard is ``local``.
+
+    ``compact=False`` lets the result be a view into a larger buffer the redistribution made, for a caller that
+    copies it right away (a random op filling a parameter's shard): no copy beside that buffer.
 
     Example: ``redistribute_local(x._local_tensor, x._spec, (Replicate(),))`` all-gathers a 1-D shard.
     """
@@ -214,7 +219,7 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
     if carrier is not None:
         # gloo and NCCL have no 16-bit integer collectives: move (and sum, modulo 2**16 after the cast back,
         # as 16-bit arithmetic does) the values as int32
-        return redistribute_local(local.to(carrier), spec, target).to(local.dtype)
+        return redistribute_local(local.to(carrier), spec, target, compact=compact).to(local.dtype)
     st = _State(local, spec)
     ndim = len(spec.shape)
 
@@ -246,7 +251,7 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
             elif want.is_partial():
                 st.replicate_to_partial(i, want)
     local = st.local
-    if st.fresh and local.untyped_storage().nbytes() > local.numel() * local.element_size():
+    if compact and st.fresh and local.untyped_storage().nbytes() > local.numel() * local.element_size():
         # A chunk of a buffer this plan made (a gather, then a chunk on another mesh dim): copied out once, at
         # the end, so that the shard does not keep the whole buffer alive (torch's DTensor copies every chunk).
         local = local.clone()

@@ -26,6 +26,7 @@ a different model shows).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -43,8 +44,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # strategies, ligh
 VARIANTS = ("ours", "model_parallel", "ddp")
 
 
+_HWM_MAX = [0.0]  # --phases resets the kernel's peak-RSS mark at every phase boundary; this keeps the real peak
+
+
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, _HWM_MAX[0])
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _memory_mark() -> dict:
+    """This process's RSS now, its peak RSS since the previous mark (then reset: ``/proc/self/clear_refs``), and
+    glibc's malloc counters (``mallinfo2``): bytes in use (heap chunks + mmapped chunks), mmapped, heap free
+    (freed but kept by the allocator), heap size. MB."""
+    status = Path("/proc/self/status").read_text()
+    field = {
+        k: float(v.split()[0]) / 1024
+        for k, v in (line.split(":", 1) for line in status.splitlines())
+        if k in ("VmRSS", "VmHWM")
+    }
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    mi = libc.mallinfo2()
+    _HWM_MAX[0] = max(_HWM_MAX[0], field["VmHWM"])
+    Path("/proc/self/clear_refs").write_text("5")
+    mb = 2**20
+    return {
+        "rss": field["VmRSS"],
+        "peak": field["VmHWM"],
+        "malloc_in_use": (mi.uordblks + mi.hblkhd) / mb,
+        "mmapped": mi.hblkhd / mb,
+        "heap_free": mi.fordblks / mb,
+        "heap": mi.arena / mb,
+    }
 
 
 def _build_module(args):
@@ -68,6 +105,8 @@ def _build_module(args):
             if args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             self.base_rss = _peak_rss_mb()
+            if args.phases:
+                self.phase_marks = [("before model", -1, _memory_mark())]
             torch.manual_seed(0)
             self.model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
             if args.variant == "model_parallel":
@@ -157,6 +196,19 @@ def _callback(args, out: str):
     import torch
 
     class Timer(L.Callback):
+        def _mark(self, pl_module, phase: str, step: int) -> None:
+            if args.phases:
+                pl_module.phase_marks.append((phase, step, _memory_mark()))
+
+        def on_train_start(self, trainer, pl_module):
+            self._mark(pl_module, "setup", -1)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._mark(pl_module, "forward", trainer.global_step)
+
+        def on_after_backward(self, trainer, pl_module):
+            self._mark(pl_module, "backward", trainer.global_step)
+
         def __init__(self) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
@@ -168,10 +220,12 @@ def _callback(args, out: str):
                 torch.cuda.synchronize()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._mark(pl_module, "between steps", trainer.global_step - 1)
             self._sync()
             self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._mark(pl_module, "optimizer", trainer.global_step - 1)
             self._sync()
             self.times.append(time.perf_counter() - self._t0)
             self.cpu_times.append(time.process_time() - self._c0)
@@ -195,6 +249,8 @@ def _callback(args, out: str):
                     "steps_timed": len(self.times) - args.warmup,
                     "losses": self.losses,  # rank 0's training loss per step, to check the variants agree
                 }
+                if args.phases:
+                    result["phase_marks"] = pl_module.phase_marks
                 Path(out).write_text(json.dumps(result))
 
     return Timer()
@@ -237,7 +293,9 @@ def _variant_cmd(args, variant: str, out: str) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--out", out]
     for name in ("devices", "tp", "steps", "warmup", "batch", "seq", "vocab", "dim", "layers", "heads"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return cmd + ["--accelerator", args.accelerator, "--precision", args.precision]
+    return (
+        cmd + ["--accelerator", args.accelerator, "--precision", args.precision] + (["--phases"] if args.phases else [])
+    )
 
 
 def main_compare(args) -> dict:
@@ -275,6 +333,7 @@ def main_compare(args) -> dict:
             "step_cpu_s_runs": [r["step_cpu_s"] for r in rs],
             "peak_mb_runs": [r["peak_mb"] for r in rs],
             "losses": rs[0].get("losses"),
+            "phase_marks_runs": [r.get("phase_marks") for r in rs],  # --phases: rank 0's, per repeat
         }
         for v, rs in runs.items()
     }
@@ -287,6 +346,8 @@ def main_compare(args) -> dict:
         per = ", ".join(f"{s * 1e3:.0f}" for s in r["step_s_runs"])
         mem = ", ".join(f"{m:.0f}" for m in r["peak_mb_runs"])
         print(f"| {v} | {r['step_s'] * 1e3:.1f} | {r['peak_mb']:.1f} | {r['process_peak_mb']:.1f} | {per} | {mem} |")
+    if args.phases:
+        _print_phases(runs)
     if "ours" in results:
         for other in ("model_parallel", "ddp"):
             if other in results and runs["ours"][0].get("losses") and runs[other][0].get("losses"):
@@ -300,6 +361,31 @@ def main_compare(args) -> dict:
                 ratio = {k: results["ours"][k] / results[other][k] for k in keys if results[other][k]}
                 print(f"ours / {other}: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items()))
     return results
+
+
+def _print_phases(runs: dict) -> None:
+    """Rank 0's memory at each phase boundary of the first repeat (``--phases``): MB above the mark taken just
+    before the model is built, for the setup, the first two steps and the last."""
+    for variant, rs in runs.items():
+        marks = rs[0].get("phase_marks")
+        if not marks:
+            continue
+        base = marks[0][2]
+        last = max(step for _, step, _ in marks)
+        print(
+            f"\n{variant} (rank 0, repeat 0): MB above the mark before the model is built (RSS then "
+            f"{base['rss']:.1f} MB, malloc in use {base['malloc_in_use']:.1f} MB)"
+        )
+        print("| step | phase | peak RSS in phase | RSS at end | malloc in use | of which mmapped | heap free (kept) |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for phase, step, m in marks[1:]:
+            if step in (-1, 0, 1, last):
+                print(
+                    f"| {step if step >= 0 else '-'} | {phase} | {m['peak'] - base['rss']:.1f} "
+                    f"| {m['rss'] - base['rss']:.1f} "
+                    f"| {m['malloc_in_use'] - base['malloc_in_use']:.1f} | {m['mmapped'] - base['mmapped']:.1f} "
+                    f"| {m['heap_free'] - base['heap_free']:.1f} |"
+                )
 
 
 def main() -> None:
@@ -325,6 +411,11 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="set for every variant, e.g. NUMBA_NUM_THREADS=1",
+    )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="record rank 0's RSS, peak RSS and malloc counters at each phase boundary (CPU, Linux, glibc)",
     )
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one Trainer run
     p.add_argument("--out", help=argparse.SUPPRESS)

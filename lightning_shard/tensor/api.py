@@ -47,8 +47,10 @@ def distribute_tensor(
     spec = DTensorSpec(device_mesh, placements, tensor.shape, stride, tensor.dtype)
     replicated = spec.with_placements(tuple([Replicate()] * device_mesh.ndim))
     local = redistribute_local(full.contiguous(), replicated, placements)
-    if same_storage(local, tensor):
-        local = local.clone()  # never alias the caller's tensor (a chunk of it is a view too)
+    if same_storage(local, tensor) or local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # Never alias the caller's tensor (a chunk of it is a view too), and never keep the whole broadcast
+        # buffer alive behind a chunk of it: a Shard(0) parameter would hold the full parameter's bytes.
+        local = local.clone()
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
 

@@ -54,21 +54,30 @@ class _State:
 
     # -- single-mesh-dim steps -------------------------------------------------------------------------
     def all_gather(self, mesh_dim: int) -> None:
-        """Shard -> Replicate on ``mesh_dim``; the shard must be the last applied on its tensor dim."""
+        """Shard -> Replicate on ``mesh_dim``; the shard must be the last applied on its tensor dim.
+
+        Each rank sends its shard as it lies in memory (padded along ``d`` to the largest chunk when uneven) and
+        the gathered pieces are put side by side along ``d`` in one copy. Moving ``d`` to the front first (so
+        that the gathered buffer is the result) would copy the shard once more and hold that copy during the
+        collective: 0.5x the result's size extra at the peak on 2 ranks (the logits of a column-parallel LM
+        head: ``docs/benchmarks.md``, "TP 2"); torch's DTensor gathers along dim 0 the same way."""
         d = self.placements[mesh_dim].dim
         lengths = self.lengths_along(mesh_dim, d)
         chunk = max(lengths)
-        x = self.local.movedim(d, 0)
-        if x.shape[0] < chunk:
-            x = torch.cat([x, x.new_zeros((chunk - x.shape[0], *x.shape[1:]))])
+        x = self.local
+        if x.shape[d] < chunk:
+            pad = list(x.shape)
+            pad[d] = chunk - x.shape[d]
+            x = torch.cat([x, x.new_zeros(pad)], dim=d)
         x = x.contiguous()
-        out = x.new_empty((len(lengths) * chunk, *x.shape[1:]))
+        out = x.new_empty((len(lengths) * x.shape[0], *x.shape[1:]))
         comm.all_gather_into(out, x, self.mesh.get_group(mesh_dim))
         if d == 0 and all(n == chunk for n in lengths):
             self.local = out  # already in place: no copy
         else:
-            # One copy that drops the padding and puts dim d back, leaving a contiguous tensor.
-            self.local = torch.cat([p[:n].movedim(0, d) for p, n in zip(out.split(chunk), lengths)], dim=d)
+            # One copy that drops the padding and joins the pieces along dim d, leaving a contiguous tensor.
+            pieces = out.view(len(lengths), *x.shape).unbind(0)
+            self.local = torch.cat([p.narrow(d, 0, n) for p, n in zip(pieces, lengths)], dim=d)
         self.fresh = True
         self.placements[mesh_dim] = Replicate()
 
@@ -191,8 +200,13 @@ class _State:
 _CARRIERS = {torch.int16: torch.int32, torch.uint16: torch.int32}
 
 
-def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement]) -> torch.Tensor:
+def redistribute_local(
+    local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement], *, compact: bool = True
+) -> torch.Tensor:
     """The local shard, under ``target`` placements, of the DTensor whose local shard is ``local``.
+
+    ``compact=False`` lets the result be a view into a larger buffer the redistribution made, for a caller that
+    copies it right away (a random op filling a parameter's shard): no copy beside that buffer.
 
     Example: ``redistribute_local(x._local_tensor, x._spec, (Replicate(),))`` all-gathers a 1-D shard.
     """
@@ -205,7 +219,7 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
     if carrier is not None:
         # gloo and NCCL have no 16-bit integer collectives: move (and sum, modulo 2**16 after the cast back,
         # as 16-bit arithmetic does) the values as int32
-        return redistribute_local(local.to(carrier), spec, target).to(local.dtype)
+        return redistribute_local(local.to(carrier), spec, target, compact=compact).to(local.dtype)
     st = _State(local, spec)
     ndim = len(spec.shape)
 
@@ -236,7 +250,12 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, target: Sequence[
                 st.shard(i, want)
             elif want.is_partial():
                 st.replicate_to_partial(i, want)
-    return st.local
+    local = st.local
+    if compact and st.fresh and local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # A chunk of a buffer this plan made (a gather, then a chunk on another mesh dim): copied out once, at
+        # the end, so that the shard does not keep the whole buffer alive (torch's DTensor copies every chunk).
+        local = local.clone()
+    return local
 
 
 def _is_last_plain(st: _State, mesh_dim: int, tensor_dim: int) -> bool:

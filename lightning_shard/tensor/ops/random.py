@@ -51,10 +51,13 @@ def _full_like_spec(spec: DTensorSpec, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=device)
 
 
-def _local_part(full: torch.Tensor, spec: DTensorSpec, placements: tuple[Placement, ...]) -> torch.Tensor:
-    """This rank's part of ``full`` laid out as ``placements`` (a partial keeps the value as one term)."""
+def _local_part(
+    full: torch.Tensor, spec: DTensorSpec, placements: tuple[Placement, ...], *, compact: bool = True
+) -> torch.Tensor:
+    """This rank's part of ``full`` laid out as ``placements`` (a partial keeps the value as one term);
+    ``compact=False``: possibly a view into a buffer the redistribution made (for a part copied right away)."""
     src = DTensorSpec(spec.mesh, _replicated(spec).placements, full.shape, tuple(full.stride()), full.dtype)
-    return redistribute_local(full, src, placements)
+    return redistribute_local(full, src, placements, compact=compact)
 
 
 def _local_view(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor | None:
@@ -85,7 +88,7 @@ def random_inplace_handler(func, args: tuple, kwargs: dict):
     func(full, *rest_args, **rest_kwargs)
     part = _local_view(full, spec)
     if part is None or part.shape != self._local_tensor.shape:
-        part = _local_part(full, spec, spec.placements)
+        part = _local_part(full, spec, spec.placements, compact=False)  # copied into self just below
     self._local_tensor.copy_(part)
     return self
 

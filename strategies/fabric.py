@@ -411,7 +411,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             if src is not None:
                 optim_src[key] = src
                 to_load[src] = get_optimizer_state_dict(module, optimizer)
-                loading.group_settings_as_saved(to_load[src], src, keys)
+                loading.optimizer_template_as_saved(to_load[src], src, keys)
 
         def check_optimizers(loaded: dict[str, Any]) -> None:  # the param groups, before anything is copied
             for key, src in optim_src.items():

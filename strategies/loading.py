@@ -65,18 +65,30 @@ def saved_keys(path: str | os.PathLike) -> set[str]:
     return set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-def group_settings_as_saved(optim_state: dict[str, Any], entry: str, keys: set[str]) -> None:
-    """Make the param groups of an optimizer-state template (``get_optimizer_state_dict``) ask for exactly the
-    group settings (lr, betas, initial_lr, ...) that the checkpoint's ``entry`` holds.
+def optimizer_template_as_saved(optim_state: dict[str, Any], entry: str, keys: set[str]) -> None:
+    """Make an optimizer-state template (``get_optimizer_state_dict``) ask for what the checkpoint's ``entry``
+    holds, where torch's ``Optimizer.load_state_dict`` would not call a difference a mismatch.
 
-    Settings are not state: as with torch's ``Optimizer.load_state_dict``, the checkpoint's settings are the
-    ones the optimizer gets, and a difference in which settings exist is no mismatch. A setting only the
-    optimizer has keeps its value: the ``initial_lr`` an LR scheduler added after the save (Lightning's
-    ``lr_find`` restores its checkpoint into the optimizer it gave a scheduler). One only the checkpoint has is
-    loaded (a run saved with a scheduler, resumed without). Parameters and state tensors stay strict.
+    * Parameters without any state in the checkpoint are left out: a parameter no backward reached has no
+      optimizer state (as on one device), while a fresh optimizer's template has state for every parameter.
+      ``set_optimizer_state_dict`` then leaves such a parameter without state, as torch's load does.
+    * Group settings (lr, betas, initial_lr, ...): the checkpoint's are the ones the optimizer gets. A setting only
+      the optimizer has keeps its value: the ``initial_lr`` an LR scheduler added after the save (Lightning's
+      ``lr_find`` restores its checkpoint into the optimizer it gave a scheduler). One only the checkpoint has is
+      loaded (a run saved with a scheduler, resumed without).
 
-    Example: ``group_settings_as_saved(state["optimizer_0"], "optimizer_0", saved_keys(path))``.
+    The state of a parameter the checkpoint has, and the parameters each group lists, stay strict.
+
+    Example: ``optimizer_template_as_saved(state["optimizer_0"], "optimizer_0", saved_keys(path))``.
     """
+    prefix = f"{entry}.state."
+    with_state = set()  # every dotted prefix of a saved state key: the parameter FQNs are among them
+    for key in keys:
+        if key.startswith(prefix):
+            parts = key[len(prefix) :].split(".")
+            with_state.update(".".join(parts[:n]) for n in range(1, len(parts)))
+    for fqn in [f for f in optim_state["state"] if f not in with_state]:
+        del optim_state["state"][fqn]
     for i, group in enumerate(optim_state["param_groups"]):
         prefix = f"{entry}.param_groups.{i}."
         saved = {k[len(prefix) :] for k in keys if k.startswith(prefix)}

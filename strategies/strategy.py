@@ -692,7 +692,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
-                loading.group_settings_as_saved(state[f"optimizer_{i}"], f"optimizer_{i}", keys)
+                loading.optimizer_template_as_saved(state[f"optimizer_{i}"], f"optimizer_{i}", keys)
 
         def check_optimizers(loaded: dict[str, Any]) -> None:  # the param groups, before anything is copied
             for i, optimizer in enumerate(optimizers):

@@ -387,12 +387,10 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, optim_st
     matched = 0
     for fqn, p in param_of.items():
         current = optimizer.state.get(p, {})
-        expected_keys += len(current)
         saved = saved_state.get(fqn)
-        if saved is None:
-            if current and strict:
-                problems.missing([f"state.{fqn}"])
+        if saved is None:  # no state saved for it (never stepped: unused, frozen then): it gets none, as in torch
             continue
+        expected_keys += len(current)
         for k, target in current.items():
             key = f"state.{fqn}.{k}"
             if k not in saved:
@@ -449,6 +447,7 @@ def set_optimizer_state_dict(
         for fqn, p in param_of.items():
             saved = saved_state.get(fqn)
             if saved is None:
+                optimizer.state.pop(p, None)  # as torch's Optimizer.load_state_dict: no saved state, no state
                 continue
             current = optimizer.state[p]
             for k, v in saved.items():

@@ -26,6 +26,7 @@ import strategies  # noqa: F401 - registers "shard_fsdp_tp"
 from lightning_shard.tensor import DTensor
 from tests import hf_models_extra as X
 from tests.harness import distributed
+from tests.test_strategy import _trainer
 
 pytest.importorskip("transformers")
 
@@ -89,22 +90,12 @@ def _reference(family: str, dp: int, optimizer: str = "sgd"):
 
 
 def _fit(family: str, tp: int, optimizer: str = "sgd"):
-    import lightning as L
 
     from strategies import ShardFSDPTPStrategy
 
     module = _lit(family, optimizer)
     initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardFSDPTPStrategy(tensor_parallel_size=tp),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(strategy=ShardFSDPTPStrategy(tensor_parallel_size=tp), max_steps=STEPS)
     trainer.fit(module)
     return module, trainer, initial
 

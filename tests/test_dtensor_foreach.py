@@ -116,3 +116,91 @@ def test_fully_sharded_gpt_adamw_foreach_matches_single_process():
             opt.step()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+_FUSED = [
+    (torch.optim.AdamW, {"weight_decay": 0.1}),
+    (torch.optim.Adam, {"amsgrad": True}),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adagrad, {}),
+]
+
+
+def _fused_run(cls, kw: dict, mesh=None, grad_placements=None, steps: int = 3) -> list[torch.Tensor]:
+    """``steps`` fused steps of ``cls`` on SHAPES (FSDP-like Shard(0) parameters and a TP-like Replicate one)."""
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
+    placements = [[Shard(0)], [Shard(0)], [Replicate()], [Shard(0)]]
+    grad_placements = grad_placements or placements
+    if mesh is None:
+        params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    else:
+        params = [torch.nn.Parameter(distribute_tensor(f, mesh, pl)) for f, pl in zip(fulls, placements)]
+    opt = cls(params, lr=0.1, fused=True, **kw)
+    for k in range(steps):
+        for p, gr, pl in zip(params, grads[k], grad_placements):
+            p.grad = gr.clone() if mesh is None else distribute_tensor(gr, mesh, pl)
+        opt.step()
+    return [p.detach().full_tensor() if mesh is not None else p.detach() for p in params]
+
+
+@distributed(world_size=2)
+def test_fused_optimizers_step_on_local_shards_exactly():
+    """``fused=True`` Adam/AdamW/SGD/Adagrad: one local fused call (no gathered copy of the parameters and their
+    state, which the replicate fallback made on every rank), equal to one process up to rounding: the CPU kernels
+    compute a tensor's last partial vector without fused multiply-adds, and a shard ends elsewhere than the whole
+    tensor (SGD: 1 ulp on one element)."""
+    mesh = init_device_mesh("cpu", (2,))
+    for cls, kw in _FUSED:
+        reset_fallback_counts()
+        got = _fused_run(cls, kw, mesh)
+        assert fallback_counts() == {}, (cls.__name__, fallback_counts())
+        for a, b in zip(got, _fused_run(cls, kw)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{cls.__name__} {tuple(a.shape)}")
+    # a gradient laid out unlike its parameter: that parameter alone takes the fallback, still exact
+    reset_fallback_counts()
+    unlike = [[Shard(0)], [Replicate()], [Replicate()], [Shard(0)]]  # the second parameter is Shard(0)
+    got = _fused_run(torch.optim.AdamW, {}, mesh, grad_placements=unlike)
+    assert sum(fallback_counts().values()) == 3  # one per step
+    for a, b in zip(got, _fused_run(torch.optim.AdamW, {})):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@distributed(world_size=2)
+def test_fully_sharded_gpt_fused_adamw_matches_single_process():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    rank = torch.distributed.get_rank()
+    reset_fallback_counts()
+    for x, y in batches(3, 4):
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        loss_fn(model, x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        opt.step()
+    assert fallback_counts() == {}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@distributed(world_size=2)
+def test_optimizers_default_to_foreach_for_our_dtensor_where_torch_would(monkeypatch):
+    """On CUDA torch's optimizers and ``clip_grad_norm_`` choose foreach for plain tensors and torch's DTensor;
+    ours must be chosen too, or every parameter takes the per-tensor loop. CPU is not a foreach default device,
+    so the test names it one."""
+    import torch.optim.optimizer as optim_module
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    mesh = init_device_mesh("cpu", (2,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+    monkeypatch.setattr(optim_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    assert optim_module._default_to_fused_or_foreach([p], differentiable=False) == (False, True)
+    assert _has_foreach_support([p], p.device)

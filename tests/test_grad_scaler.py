@@ -4,6 +4,7 @@ Lightning maps ``precision="16-mixed"`` to bf16 on CPU accelerators, so the Trai
 fp16 scaler path; these tests drive it directly with the same FSDP model the strategy would build.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -48,13 +49,15 @@ def test_unscaled_gradients_match_fp32_and_the_step_is_taken():
     assert scaler.get_scale() == 2.0**10
 
 
+@pytest.mark.parametrize("fused", [False, True])  # fused: the kernel unscales and skips, told by the scaler
 @distributed(world_size=2)
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank():
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(fused):
     x, y = batches(1, 4)[0]
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _fsdp(make_model())
     scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True) if fused else torch.optim.SGD(params, lr=0.1)
     scaler.scale(loss_fn(model, rank_slice(x, rank, world), rank_slice(y, rank, world))).backward()
     if rank == 1:  # only this rank's shard overflows
         next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")

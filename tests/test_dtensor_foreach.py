@@ -204,3 +204,47 @@ def test_optimizers_default_to_foreach_for_our_dtensor_where_torch_would(monkeyp
     monkeypatch.setattr(optim_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
     assert optim_module._default_to_fused_or_foreach([p], differentiable=False) == (False, True)
     assert _has_foreach_support([p], p.device)
+
+
+_EVERY_OPTIMIZER = {
+    "SGD": {"momentum": 0.9},
+    "Adam": {"weight_decay": 0.1},
+    "AdamW": {},
+    "RAdam": {"weight_decay": 0.1},
+    "NAdam": {"decoupled_weight_decay": True, "weight_decay": 0.1},
+    "Adamax": {},
+    "Adadelta": {},
+    "Adagrad": {},
+    "Adafactor": {},
+    "RMSprop": {"momentum": 0.9},
+    "ASGD": {},
+    "Rprop": {},  # its per-tensor loop writes sign[sign.gt(0)] = etaplus: index_put_ with a mask
+}
+
+
+def _every_optimizer_run(name: str, foreach: bool, mesh=None, steps: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
+    wrap = (lambda t: t.clone()) if mesh is None else (lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+    params = [torch.nn.Parameter(wrap(f)) for f in fulls]
+    opt = getattr(torch.optim, name)(params, lr=0.05, foreach=foreach, **_EVERY_OPTIMIZER[name])
+    for k in range(steps):
+        for p, gr in zip(params, grads[k]):
+            p.grad = wrap(gr)
+        opt.step()
+    return [p.detach().full_tensor() if mesh is not None else p.detach() for p in params]
+
+
+@distributed(world_size=2)
+def test_every_torch_optimizer_steps_fsdp_shards_like_one_process():
+    """Every optimizer of ``torch.optim`` (both implementations) on ``Shard(0)`` parameters, one with an empty
+    shard: equal to one process, and never through the replicate fallback (which gathers the parameter)."""
+    mesh = init_device_mesh("cpu", (2,))
+    reset_fallback_counts()
+    for name in _EVERY_OPTIMIZER:
+        for foreach in (False, True):
+            got = _every_optimizer_run(name, foreach, mesh)
+            for a, b in zip(got, _every_optimizer_run(name, foreach)):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{name} foreach={foreach}")
+    assert fallback_counts() == {}

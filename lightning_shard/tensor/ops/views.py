@@ -476,12 +476,34 @@ def index_rule(call: OpCall) -> Plan:
     return Plan([ins] + [_all_replicated(call, k) for k in range(1, len(specs))], [outs])
 
 
+def _masked_fill_plan(call: OpCall) -> Plan | None:
+    """``x[mask] = v`` (or ``+= v``) with one bool ``mask`` of ``x``'s shape and a single value ``v`` is
+    elementwise, a ``masked_fill``: ``x`` keeps its shards and the mask is laid out like it, so a sharded
+    ``x`` is written in place (``torch.optim.Rprop``: ``sign[sign.gt(0)] = etaplus`` on FSDP shards). ``None``
+    for any other indexing, and for a partial ``x`` (setting is not linear)."""
+    self_spec = call.specs[0]
+    indices, values = call.args[1], call.args[2]
+    if len(indices) != 1 or not isinstance(indices[0], DTensor) or indices[0].dtype != torch.bool:
+        return None
+    if tuple(indices[0].shape) != tuple(self_spec.shape) or values.numel() != 1 or values.ndim != 0:
+        return None
+    if self_spec.has_partial():
+        return None
+    ins = [tuple(self_spec.placements), tuple(self_spec.placements)]
+    if isinstance(values, DTensor):
+        ins.append(_all_replicated(call, 2))
+    return Plan(ins, [] if call.func == aten.index_put_.default else [tuple(self_spec.placements)])
+
+
 @register(aten.index_put.default, aten.index_put_.default)
 def index_put_rule(call: OpCall) -> Plan:
     """``self[idx] = values`` (``accumulate`` adds). Per mesh dim: a shard of a non-indexed ``self`` dim stays
     (``values`` sharded alike, or replicated where it broadcasts); a sharded ``values`` dim shards the output
     (out of place); partial terms stay partial since the op is linear in (self, values) when ``self`` is a
     partial term too; indexed dims and index tensors are replicated."""
+    masked = _masked_fill_plan(call)
+    if masked is not None:
+        return masked
     specs = call.specs
     self_spec = specs[0]
     values = call.args[2]

@@ -96,6 +96,33 @@ class DTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ properties
     @property
+    def data(self) -> torch.Tensor:
+        """A detached DTensor sharing this one's local shard (as ``Tensor.data``)."""
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``x.data = value`` on a plain tensor swaps its storage. On a DTensor that would swap only the
+        wrapper while the local shard, which every op and FSDP's all-gather read, stayed: the assignment was
+        silently lost. A DTensor of the same layout is copied into the local shard (same values; ``x`` does not
+        alias ``value`` afterwards); anything else raises, naming the way that works."""
+        if isinstance(value, DTensor) and value._spec == self._spec:
+            with torch.no_grad():
+                self._local_tensor.copy_(value._local_tensor)
+            return
+        got = (
+            f"a DTensor {tuple(value.shape)} {value.dtype} {value.placements}"
+            if isinstance(value, DTensor)
+            else f"a {type(value).__name__} {tuple(value.shape)} {value.dtype}"
+        )
+        raise TypeError(
+            f"DTensor.data = ...: the new value must be a DTensor of the same shape, dtype, mesh and placements "
+            f"({tuple(self.shape)} {self.dtype} {self.placements}), got {got}. Write the values in place instead: "
+            f"`with torch.no_grad(): param.copy_(distribute_tensor(full_value, param.device_mesh, "
+            f"param.placements))`, or for a new dtype cast the module before sharding it"
+        )
+
+    @property
     def placements(self) -> tuple[Placement, ...]:
         """One placement per mesh dimension."""
         return self._spec.placements

@@ -104,10 +104,19 @@ class DTensor(torch.Tensor):
     def data(self, value: torch.Tensor) -> None:
         """``x.data = value`` on a plain tensor swaps its storage. On a DTensor that would swap only the
         wrapper while the local shard, which every op and FSDP's all-gather read, stayed: the assignment was
-        silently lost. A DTensor of the same layout is copied into the local shard (same values; ``x`` does not
-        alias ``value`` afterwards); anything else raises, naming the way that works."""
-        if isinstance(value, DTensor) and value._spec == self._spec:
+        silently lost. A DTensor of the same shape, dtype and mesh is redistributed to this one's placements and
+        copied into the local shard (same values; ``x`` does not alias ``value`` afterwards:
+        ``torch.nn.utils.vector_to_parameters`` assigns replicated slices to sharded parameters this way);
+        anything else raises, naming the way that works."""
+        if (
+            isinstance(value, DTensor)
+            and value._spec.mesh == self._spec.mesh
+            and value.shape == self.shape
+            and value.dtype == self.dtype
+        ):
             with torch.no_grad():
+                if value.placements != self.placements:
+                    value = value.redistribute(self._spec.mesh, self.placements)
                 self._local_tensor.copy_(value._local_tensor)
             return
         got = (
@@ -116,7 +125,7 @@ class DTensor(torch.Tensor):
             else f"a {type(value).__name__} {tuple(value.shape)} {value.dtype}"
         )
         raise TypeError(
-            f"DTensor.data = ...: the new value must be a DTensor of the same shape, dtype, mesh and placements "
+            f"DTensor.data = ...: the new value must be a DTensor of the same shape, dtype and mesh "
             f"({tuple(self.shape)} {self.dtype} {self.placements}), got {got}. Write the values in place instead: "
             f"`with torch.no_grad(): param.copy_(distribute_tensor(full_value, param.device_mesh, "
             f"param.placements))`, or for a new dtype cast the module before sharding it"

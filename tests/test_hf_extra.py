@@ -214,6 +214,30 @@ def _unused_keep_no_gradient(families) -> None:
             _fit_and_compare(family, tp=tp, optimizer="decay")
 
 
+@distributed(world_size=2, timeout=150)
+def test_layerdrop_runs_every_layer_on_every_rank_under_fsdp():
+    """wav2vec2 with LayerDrop 0.5 under FSDP, each rank's random state different (as on ranks whose batches
+    used different amounts of randomness): Hugging Face runs every layer on every rank when its encoder reads
+    as FSDP-managed, the mark torch's ``fully_shard`` sets; without it each rank skipped layers by its own draw,
+    the ranks' all-gathers stopped pairing up and training hung. Every layer running means the result of one
+    process without LayerDrop."""
+    import lightning as L
+
+    from strategies import ShardFSDPTPStrategy
+
+    class DifferentDrawsPerRank(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            torch.manual_seed(1000 * trainer.global_rank + batch_idx)
+
+    module = _lit("wav2vec2")
+    module.model.config.layerdrop = 0.5  # read by the encoder at every forward
+    trainer = _trainer(strategy=ShardFSDPTPStrategy(), max_steps=STEPS, callbacks=[DifferentDrawsPerRank()])
+    trainer.fit(module)
+    ref, _ = _reference("wav2vec2", dp=2)
+    for n, p in module.model.named_parameters():
+        torch.testing.assert_close(_full(p.detach()), ref[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
 @distributed(world_size=2)
 def test_parameters_unused_on_every_rank_keep_no_gradient():
     # BigBird's pooler (a masked-LM head does not read it) and wav2vec2's masked_spec_embed (no masking) get no

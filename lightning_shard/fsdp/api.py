@@ -183,7 +183,21 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+    _mark_managed(modules)
     return module
+
+
+def _mark_managed(modules) -> None:
+    """Mark every module under this call as torch's ``fully_shard`` marks the modules it manages, because other
+    libraries read the marks. Hugging Face's speech encoders (wav2vec2, HuBERT, WavLM, data2vec-audio, SEW,
+    ...) run every layer on every rank when ``is_fsdp_managed_module`` says so, where they would otherwise skip
+    layers by each rank's own LayerDrop draw: the ranks' all-gathers then stop pairing up (a hang, or one
+    layer's shards gathered into another's). torch.compile traces marked modules with their parameters as
+    graph inputs, as it does under torch's FSDP2."""
+    for root in modules:
+        for m in root.modules():
+            m._is_fsdp_managed_module = True
+            m._fsdp_use_orig_params = True  # what torch.compile requires of a module marked as managed
 
 
 def _check_arguments(mesh, reshard_after_forward, mp_policy, offload_policy) -> None:

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -223,3 +224,30 @@ def check_no_drift(model: nn.Module) -> None:
                     f"shard_fsdp_tp: replicated parameter {name!r} differs across ranks (checksums {values}); "
                     "initialise the model identically on every rank (seed_everything) or build it on meta"
                 )
+
+
+def random_layer_skipping(model: nn.Module) -> list[str]:
+    """Modules that skip layers at random in training (LayerDrop: a float attribute ``layerdrop`` > 0, as Hugging
+    Face's BART, mBART, Whisper, M2M100, ... encoders and decoders hold it) by each rank's own draw. Under FSDP
+    and TP every rank must skip the same layers or their collectives stop pairing up (a hang, or one layer's
+    shards gathered into another's), so the strategy warns about them. Modules that ask Hugging Face's
+    ``is_fsdp_managed_module`` first (wav2vec2, HuBERT, WavLM, ...) run every layer under ``fully_shard``, which
+    marks its modules, and are not listed.
+
+    Example: ``random_layer_skipping(bart)`` -> ``["model.encoder (BartEncoder, layerdrop=0.1)"]``.
+    """
+    found = []
+    for name, m in model.named_modules():
+        rate = getattr(m, "layerdrop", None)
+        if not isinstance(rate, float) or rate <= 0 or _asks_fsdp(type(m)):
+            continue
+        found.append(f"{name or 'the model'} ({type(m).__name__}, layerdrop={rate})")
+    return found
+
+
+def _asks_fsdp(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "is_fsdp_managed_module" in source or "synced_gpus" in source

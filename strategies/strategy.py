@@ -555,6 +555,15 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {tp_text}"
         )
         rank_zero_info(_memory_line(model, summary))
+        skipping = parallelize.random_layer_skipping(model)
+        if skipping and self.world_size > 1:
+            rank_zero_warn(
+                f"shard_fsdp_tp: {'; '.join(skipping)} skip layers at random in training, each rank by its own "
+                "draw. Every rank must skip the same layers, or the FSDP and TP collectives of the layers stop "
+                "pairing up across ranks (a hang). Set layerdrop=0 (Hugging Face turns LayerDrop off under FSDP "
+                "for the models that support it), or keep the ranks' random states equal (seed_everything, and "
+                "batches of the same shape on every rank so that dropout draws the same amount)"
+            )
         if coverage is not None and coverage.replicated_fraction > REPLICATED_WARN_FRACTION:
             rank_zero_warn(
                 f"shard_fsdp_tp: tensor parallelism leaves {100 * coverage.replicated_fraction:.1f}% of the "

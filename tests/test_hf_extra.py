@@ -285,3 +285,20 @@ if __name__ == "__main__":  # python -m tests.test_hf_extra [family ...]: the ta
         run_distributed(_measure, 2, sys.argv[1:] or list(X.FAMILIES), timeout=timeout)
     finally:
         shutdown_pools()
+
+
+def test_models_that_skip_layers_by_each_ranks_draw_are_named():
+    """BART skips layers by its own ``torch.rand`` per rank (``encoder_layerdrop``); the strategy warns with these
+    names. wav2vec2 asks ``is_fsdp_managed_module`` first and runs every layer under ``fully_shard``: not named."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from strategies.parallelize import random_layer_skipping
+    from tests.hf_models_more import _bart_like
+
+    bart = BartForConditionalGeneration(BartConfig(**_bart_like(0.0), encoder_layerdrop=0.2))
+    assert random_layer_skipping(bart) == ["model.encoder (BartEncoder, layerdrop=0.2)"]
+    speech = X.build("wav2vec2")
+    speech.config.layerdrop = 0.5
+    assert speech.wav2vec2.encoder.config.layerdrop == 0.5
+    assert random_layer_skipping(speech) == []
+    assert random_layer_skipping(BartForConditionalGeneration(BartConfig(**_bart_like(0.0)))) == []

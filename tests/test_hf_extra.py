@@ -238,6 +238,30 @@ def test_layerdrop_runs_every_layer_on_every_rank_under_fsdp():
         torch.testing.assert_close(_full(p.detach()), ref[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@distributed(world_size=2, timeout=120)
+def test_generate_with_different_lengths_per_rank_under_fsdp():
+    """``generate`` in a validation loop: each rank stops after its own number of tokens. Hugging Face keeps the
+    finished ranks running forwards (``synced_gpus``) while any rank generates, when the model reads as
+    FSDP-managed; without that the ranks ran different numbers of forwards and their all-gathers hung."""
+    from lightning_shard import init_device_mesh
+    from lightning_shard.fsdp import fully_shard
+    from tests.hf_models import build, token_batch
+
+    rank = dist.get_rank()
+    ref, model = build("llama").eval(), build("llama").eval()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    prompt = token_batch(2, 5, seed=7)[rank : rank + 1]
+    new_tokens = 3 if rank == 0 else 7
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        want = ref.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    assert got.shape[1] == 5 + new_tokens
+    assert torch.equal(got, want)
+
+
 @distributed(world_size=2)
 def test_parameters_unused_on_every_rank_keep_no_gradient():
     # BigBird's pooler (a masked-LM head does not read it) and wav2vec2's masked_spec_embed (no masking) get no

@@ -217,6 +217,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.planner_table: str | None = None  # the planner's table when a knob is "auto"
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
+        # names materialize could not initialise (None: nothing was on meta); checked before the first step,
+        # after a checkpoint had the chance to fill them
+        self._unset_after_materialize: list[str] | None = None
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -472,8 +475,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model setup
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True: build on meta; parameters are materialized shard by shard after sharding.
-        meta = torch.device("meta") if empty_init else nullcontext()
+        # empty_init=True: parameters on meta, materialized shard by shard after sharding; buffers are built as
+        # usual (their values, e.g. rotary tables, cannot be recomputed from meta).
+        meta = parallelize.parameters_on_meta() if empty_init else nullcontext()
         with meta, self.precision_plugin.tensor_init_context():
             yield
 
@@ -514,13 +518,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def _parallelize(self, model: nn.Module) -> None:
         model = self.precision_plugin.convert_module(model)
         self._apply_layer_sync(model)
-        has_meta = any(p.is_meta for p in model.parameters())
-        if not has_meta:
-            # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its
-            # DTensors' local shards stay there), then fully_shard moves one unit's parameters at a time, so a
-            # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
-            # host over the mesh's groups, which carry host tensors.
-            parallelize.broadcast_plain_model(model, self.device_mesh)
+        # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its
+        # DTensors' local shards stay there), then fully_shard moves one unit's parameters at a time, so a
+        # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
+        # host over the mesh's groups, which carry host tensors; meta tensors (no values yet) are skipped, the
+        # real buffers of a model built with empty_init=True are not.
+        parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
             self.device_mesh,
@@ -534,7 +537,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
-        parallelize.materialize(model, self.root_device)
+        self._unset_after_materialize = parallelize.materialize(model, self.root_device)
         _move_buffers(model, self.root_device)
         parallelize.check_no_drift(model)
         self._sync_tp_rng_states()
@@ -567,9 +570,18 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "training", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out
+
+    def _check_initialised(self) -> None:
+        """Before the first step of any loop (after Lightning restored a checkpoint): raise on every rank if a
+        tensor built on meta still has no value (``parallelize.check_initialised``)."""
+        if self._unset_after_materialize is None:
+            return
+        names, self._unset_after_materialize = self._unset_after_materialize, None
+        parallelize.check_initialised(self.model, names)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # loss_parallel's backward ops (vocab-parallel log-softmax / nll) must run inside the context too.
@@ -588,16 +600,19 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "validation", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.val_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "test", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.test_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "predict", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 

@@ -733,9 +733,34 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return comm.broadcast_object(obj, src)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Lightning's reduction over all ranks (``self.log(..., sync_dist=True)``, ``reduce_fx``), with one
+        difference under tensor parallelism: a sum over the default group counts each data-parallel replica once.
+
+        The ranks of one TP group train on the same batch, so a value computed from it (a loss, a sample or
+        token count) is the same on each of them; summed over all ranks it would count that batch
+        ``tensor_parallel_size`` times (``reduce_fx="sum"`` logging 2x the samples seen under TP 2). The
+        world sum is divided by the TP size: the sum over the data-parallel ranks, exactly, when the TP ranks
+        agree, and their mean otherwise (the same value on every rank either way). Means, max and min need no
+        change; an explicit ``group`` is reduced as given.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        tp = self._device_mesh.size("tensor_parallel") if self._device_mesh is not None else 1
+        if group is None and tp > 1 and _is_sum(reduce_op) and _distributed_is_initialized():
+            if out.is_floating_point() or out.is_complex():
+                out.div_(tp)
+            else:
+                out.copy_(torch.div(out, tp, rounding_mode="floor"))
+        return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank,
+        not ``reduce``'s data-parallel sum."""
+        if not _distributed_is_initialized():
+            return decision
+        count = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(count == self.world_size) if all else bool(count)
 
     def all_gather(self, tensor: torch.Tensor, group=None, sync_grads: bool = False) -> torch.Tensor:
         from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
@@ -896,6 +921,13 @@ def _refuse_unsupported_callbacks(module) -> None:
 def _top_level_entries(keys: set[str]) -> set[str]:
     """The top-level names ("state_dict", "optimizer_0", ...) among a sharded checkpoint's ``loading.saved_keys``."""
     return {key.split(".", 1)[0] for key in keys}
+
+
+def _is_sum(reduce_op) -> bool:
+    """Whether a Lightning ``reduce_op`` (a string such as ``"sum"``, or a ``ReduceOp``) is a sum."""
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() == "sum"
+    return reduce_op == torch.distributed.ReduceOp.SUM
 
 
 def _check_choice(name: str, value, allowed) -> None:

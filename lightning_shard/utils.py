@@ -1,4 +1,4 @@
-"""Training utilities that must see through DTensors: ``clip_grad_norm_``.
+"""Training utilities that must see through DTensors: ``clip_grad_norm_`` and ``grad_norm``.
 
 Example::
 
@@ -22,7 +22,7 @@ from lightning_shard.mesh import DeviceMesh, group_backend, world_timeout
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.placements import Replicate
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "grad_norm"]
 
 # Process groups spanning several mesh dims at once, by their ranks (created once, reused).
 _FLAT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -155,3 +155,37 @@ def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor, foreach: bool | Non
         else:
             for t in group:
                 t.mul_(c)
+
+
+@torch.no_grad()
+def grad_norm(
+    module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/"
+) -> dict[str, torch.Tensor]:
+    """``lightning.pytorch.utilities.grad_norm`` for sharded models: the norm of each parameter's *full* gradient
+    and their overall norm, as plain 0-dim tensors, equal on every rank; same keys
+    (``grad_{norm_type}_norm/{name}``, ``grad_{norm_type}_norm_total``) and values as Lightning's on one process.
+
+    Lightning's own ``grad_norm`` cannot read DTensor gradients (nor torch's): it builds the total with
+    ``torch.tensor(list of norms)``, which copies each element's storage, and a DTensor has none ("The tensor
+    has a non-zero number of elements, but its data is not allocated yet"). A parameter's norm costs one
+    all-reduce for a sharded gradient, none for a replicated or plain one.
+
+    Example::
+
+        def on_before_optimizer_step(self, optimizer):
+            self.log_dict(grad_norm(self, norm_type=2))
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"grad_norm: norm_type must be a positive number or 'inf' (infinity norm); got {norm_type}")
+    norms = {}
+    for name, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        norm = p.grad.norm(norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms[f"grad_{norm_type}_norm{group_separator}{name}"] = norm.detach()
+    if norms:
+        norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+    return norms

@@ -65,7 +65,7 @@ from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
 from strategies import loading, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
-from strategies.input_checks import check_first_forwards
+from strategies.input_checks import check_first_forwards, check_initialised_at_first_forward
 from strategies.strategy import (
     META_FILE,
     ShardFSDPTPStrategy,
@@ -228,10 +228,11 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ model and optimizers
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """``empty_init=True``: build on meta, materialized shard by shard in ``setup_module``; otherwise on the
-        root device. Both in the precision's dtype (``"bf16-true"``: bf16)."""
+        """``empty_init=True``: parameters on meta, materialized shard by shard in ``setup_module``, buffers
+        built on the host as usual (``parallelize.parameters_on_meta``); otherwise on the root device. Both in the
+        precision's dtype (``"bf16-true"``: bf16)."""
         stack = ExitStack()
-        stack.enter_context(torch.device("meta") if empty_init else self.root_device)
+        stack.enter_context(parallelize.parameters_on_meta() if empty_init else self.root_device)
         stack.enter_context(self.precision.module_init_context())
         return stack
 
@@ -244,10 +245,13 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             return module
         if parallelize.is_parallelized(module):
             rank_zero_info("shard_fsdp_tp: the model is already parallelized; left as it is")
-            parallelize.materialize(module, self.root_device)
+            unset = parallelize.materialize(module, self.root_device)
         else:
             self.engine._parallelize(module)
+            unset, self.engine._unset_after_materialize = self.engine._unset_after_materialize, None
         check_first_forwards(module, self.engine.device_mesh)  # the ranks of a TP group must see the same inputs
+        if unset is not None:  # a checkpoint loaded before the first forward may still fill them
+            check_initialised_at_first_forward(module, unset)
         module._shard_fsdp_tp_done = True
         return module
 

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tp.input_check import check_same_inputs
 
-__all__ = ["FirstBatchCheck", "check_first_forwards"]
+__all__ = ["FirstBatchCheck", "check_first_forwards", "check_initialised_at_first_forward"]
 
 
 def _tp_group(mesh: DeviceMesh | None):
@@ -78,3 +78,18 @@ def check_first_forwards(module: nn.Module, mesh: DeviceMesh | None) -> None:
             handle.remove()
 
     handle = module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+
+
+def check_initialised_at_first_forward(module: nn.Module, unset: list[str]) -> None:
+    """Fabric: before ``module``'s first forward (after the user had the chance to load a checkpoint), raise on
+    every rank if a tensor built on meta still has no value (``strategies.parallelize.check_initialised``).
+
+    Example: ``check_initialised_at_first_forward(model, parallelize.materialize(model, device))``.
+    """
+    from strategies.parallelize import check_initialised
+
+    def pre_forward(mod: nn.Module, args: tuple) -> None:
+        handle.remove()
+        check_initialised(mod, unset, who="shard_fsdp_tp (Fabric)")
+
+    handle = module.register_forward_pre_hook(pre_forward)

@@ -13,7 +13,8 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -149,18 +150,99 @@ def _apply_activation_checkpointing(model: nn.Module, classes: set[type]) -> Non
             m._ls_checkpointed = True
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Give meta-device parameters and buffers real storage on ``device`` and initialise them.
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build a model whose parameters are on the meta device (no memory) and whose buffers are real.
+
+    Every plain ``nn.Parameter`` registered inside is replaced by a meta parameter as it is registered (its
+    host tensor, usually ``torch.empty``, is dropped at once; one parameter is allocated at a time). Buffers are
+    built as the model's ``__init__`` computes them: rotary ``cos``/``sin`` tables, position ids, masks and
+    scales keep their values, including the non-persistent ones no checkpoint holds. A meta buffer has
+    no value to recover: ``to_empty`` gives it uninitialised memory, different on every rank, which no
+    ``reset_parameters()`` re-computes (the silent wrong result this avoids). Hugging Face accelerate's
+    ``init_empty_weights()`` keeps buffers real by default for the same reason.
+
+    A parameter registered a second time (a tied weight) is already on meta and stays the same object.
+
+    Example::
+
+        with parameters_on_meta():
+            model = MyModel()          # parameters on meta, buffers on the host
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
+    """Give meta-device parameters and buffers real storage on ``device`` and initialise them; returns the
+    names of those that nothing initialised (this rank's shards) for ``check_initialised``, or ``None`` when
+    nothing was on meta (or the tensors are the simulator's fakes), so that no check is needed on any rank.
 
     Each module's ``reset_parameters()`` runs on its (sharded) parameters; our DTensor random ops produce
     exactly the values one device would, so every rank allocates only its shards. All ranks start from rank
     0's RNG states, of the CPU generator and of ``device``'s (``reset_parameters`` of parameters on the
     accelerator draws from its generator), so replicated values agree; each rank's own states are restored
-    afterwards.
+    afterwards. Tensors that were not on meta keep their values (``to_empty`` alone would replace them).
+
+    A meta tensor that no ``reset_parameters()`` writes (a module without one, such as an RMSNorm holding
+    ``nn.Parameter(torch.ones(d))``, or a buffer computed in ``__init__``) has no value: it is filled with a
+    marker (NaN; the largest integer; ``False``) instead of leftover memory, and its name is returned. A
+    checkpoint loaded before the first step may still fill it; ``check_initialised`` then raises for what is
+    left, on every rank, instead of training on it.
     """
-    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return
+    meta_params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    meta_buffers = {name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
+    if not meta_params and not meta_buffers:
+        return None
+    with torch.no_grad():
+        kept_params = {
+            name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()
+            if name not in meta_params
+        }
+    kept_buffers = {
+        (id(m), key): b for m in model.modules() for key, b in m._buffers.items() if b is not None and not b.is_meta
+    }
     model.to_empty(device=device)
+    for m in model.modules():
+        for key in m._buffers:
+            if (id(m), key) in kept_buffers:
+                m._buffers[key] = kept_buffers[(id(m), key)]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    if not has_data(_local(params[next(iter(meta_params))]) if meta_params else buffers[next(iter(meta_buffers))]):
+        _reset_parameters_from_rank_0(model, device)  # the simulator's fake tensors: no values to fill or check
+        return None
+    with torch.no_grad():
+        for name in meta_params:
+            _fill_marker(_local(params[name]))
+        for name in meta_buffers:
+            _fill_marker(buffers[name])
+    versions = {name: buffers[name]._version for name in meta_buffers}
+    _reset_parameters_from_rank_0(model, device)
+    with torch.no_grad():
+        for name, value in kept_params.items():
+            _local(params[name]).copy_(value)
+    unset = [name for name in sorted(meta_params) if _holds_marker(_local(params[name]))]
+    for name in sorted(meta_buffers):
+        buf = buffers[name]
+        # bool has no marker value: unset unless reset_parameters() wrote it (and then it stays listed)
+        if (buf.dtype == torch.bool and buf._version == versions[name]) or _holds_marker(buf):
+            unset.append(name)
+    return unset
+
+
+def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device) -> None:
     handle = handle_for(device)
     states = [torch.get_rng_state(), handle.get_rng_state()]
     synced = comm.broadcast_object(states, src=0)
@@ -177,6 +259,81 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         torch.set_rng_state(states[0])
         if states[1] is not None:
             handle.set_rng_state(states[1])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _fill_marker(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(False)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+def _holds_marker(t: torch.Tensor) -> bool:
+    """Whether ``t`` still holds ``_fill_marker``'s value somewhere (never for bool: no value marks it)."""
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    return bool((t == torch.iinfo(t.dtype).max).any())
+
+
+def still_unset(model: nn.Module, names: list[str]) -> list[str]:
+    """Of ``names`` (from ``materialize``), those whose tensor on this rank still holds the marker (bool
+    buffers stay listed: nothing marks them)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    left = []
+    for name in names:
+        t = params.get(name, buffers.get(name))
+        if t is None:
+            continue
+        if (t.dtype == torch.bool and name not in params) or _holds_marker(_local(t)):
+            left.append(name)
+    return left
+
+
+def check_initialised(model: nn.Module, names: list[str], who: str = "shard_fsdp_tp") -> None:
+    """Raise on every rank if a tensor ``materialize`` could not initialise still holds no value, after any
+    checkpoint was loaded: one small all-gather (the ranks hold different shards, so each may list other
+    names; call it on every rank whenever ``materialize`` returned a list, even an empty one).
+
+    Example: ``check_initialised(model, materialize(model, device))`` (no error when every tensor is set).
+    """
+    left = still_unset(model, names)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        left = sorted({name for names_on_rank in comm.all_gather_objects(left) for name in names_on_rank})
+    if not left:
+        return
+    params = dict(model.named_parameters(remove_duplicate=False))
+    kinds = [("parameters", [n for n in left if n in params]), ("buffers", [n for n in left if n not in params])]
+    shown = "; ".join(
+        f"{kind} " + ", ".join(repr(n) for n in group[:4]) + (f" and {len(group) - 4} more" if len(group) > 4 else "")
+        for kind, group in kinds
+        if group
+    )
+    fixes = []
+    if kinds[0][1]:
+        fixes.append(
+            "give each owning module a reset_parameters() that sets its parameters (an RMSNorm holding "
+            "nn.Parameter(torch.ones(d)): `def reset_parameters(self): torch.nn.init.ones_(self.weight)`)"
+        )
+    if kinds[1][1]:
+        fixes.append(
+            "build the model under Trainer.init_module(empty_init=True) / fabric.init_module(empty_init=True), "
+            "which keep buffers real, rather than under torch.device('meta')"
+        )
+    fixes.append("load a checkpoint holding them before the first step (fit(..., ckpt_path=...))")
+    fixes.append("or build the model without empty_init")
+    raise RuntimeError(
+        f"{who}: {shown} were built on the meta device and nothing gave them values: no reset_parameters() wrote "
+        "them and no checkpoint loaded them, so they would train on placeholder values. Fix: " + "; ".join(fixes)
+    )
 
 
 def broadcast_plain_model(model: nn.Module, mesh: DeviceMesh) -> None:

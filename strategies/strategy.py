@@ -217,6 +217,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.planner_table: str | None = None  # the planner's table when a knob is "auto"
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
+        # names materialize could not initialise (None: nothing was on meta); checked before the first step,
+        # after a checkpoint had the chance to fill them
+        self._unset_after_materialize: list[str] | None = None
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -472,8 +475,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model setup
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True: build on meta; parameters are materialized shard by shard after sharding.
-        meta = torch.device("meta") if empty_init else nullcontext()
+        # empty_init=True: parameters on meta, materialized shard by shard after sharding; buffers are built as
+        # usual (their values, e.g. rotary tables, cannot be recomputed from meta).
+        meta = parallelize.parameters_on_meta() if empty_init else nullcontext()
         with meta, self.precision_plugin.tensor_init_context():
             yield
 
@@ -514,13 +518,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def _parallelize(self, model: nn.Module) -> None:
         model = self.precision_plugin.convert_module(model)
         self._apply_layer_sync(model)
-        has_meta = any(p.is_meta for p in model.parameters())
-        if not has_meta:
-            # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its
-            # DTensors' local shards stay there), then fully_shard moves one unit's parameters at a time, so a
-            # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
-            # host over the mesh's groups, which carry host tensors.
-            parallelize.broadcast_plain_model(model, self.device_mesh)
+        # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its
+        # DTensors' local shards stay there), then fully_shard moves one unit's parameters at a time, so a
+        # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
+        # host over the mesh's groups, which carry host tensors; meta tensors (no values yet) are skipped, the
+        # real buffers of a model built with empty_init=True are not.
+        parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
             self.device_mesh,
@@ -534,7 +537,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
-        parallelize.materialize(model, self.root_device)
+        self._unset_after_materialize = parallelize.materialize(model, self.root_device)
         _move_buffers(model, self.root_device)
         parallelize.check_no_drift(model)
         self._sync_tp_rng_states()
@@ -576,9 +579,18 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "training", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out
+
+    def _check_initialised(self) -> None:
+        """Before the first step of any loop (after Lightning restored a checkpoint): raise on every rank if a
+        tensor built on meta still has no value (``parallelize.check_initialised``)."""
+        if self._unset_after_materialize is None:
+            return
+        names, self._unset_after_materialize = self._unset_after_materialize, None
+        parallelize.check_initialised(self.model, names)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # loss_parallel's backward ops (vocab-parallel log-softmax / nll) must run inside the context too.
@@ -597,16 +609,19 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "validation", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.val_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "test", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.test_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "predict", args, kwargs)
+        self._check_initialised()
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 
@@ -727,9 +742,34 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return comm.broadcast_object(obj, src)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Lightning's reduction over all ranks (``self.log(..., sync_dist=True)``, ``reduce_fx``), with one
+        difference under tensor parallelism: a sum over the default group counts each data-parallel replica once.
+
+        The ranks of one TP group train on the same batch, so a value computed from it (a loss, a sample or
+        token count) is the same on each of them; summed over all ranks it would count that batch
+        ``tensor_parallel_size`` times (``reduce_fx="sum"`` logging 2x the samples seen under TP 2). The
+        world sum is divided by the TP size: the sum over the data-parallel ranks, exactly, when the TP ranks
+        agree, and their mean otherwise (the same value on every rank either way). Means, max and min need no
+        change; an explicit ``group`` is reduced as given.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        tp = self._device_mesh.size("tensor_parallel") if self._device_mesh is not None else 1
+        if group is None and tp > 1 and _is_sum(reduce_op) and _distributed_is_initialized():
+            if out.is_floating_point() or out.is_complex():
+                out.div_(tp)
+            else:
+                out.copy_(torch.div(out, tp, rounding_mode="floor"))
+        return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank,
+        not ``reduce``'s data-parallel sum."""
+        if not _distributed_is_initialized():
+            return decision
+        count = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(count == self.world_size) if all else bool(count)
 
     def all_gather(self, tensor: torch.Tensor, group=None, sync_grads: bool = False) -> torch.Tensor:
         from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
@@ -890,6 +930,13 @@ def _refuse_unsupported_callbacks(module) -> None:
 def _top_level_entries(keys: set[str]) -> set[str]:
     """The top-level names ("state_dict", "optimizer_0", ...) among a sharded checkpoint's ``loading.saved_keys``."""
     return {key.split(".", 1)[0] for key in keys}
+
+
+def _is_sum(reduce_op) -> bool:
+    """Whether a Lightning ``reduce_op`` (a string such as ``"sum"``, or a ``ReduceOp``) is a sum."""
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() == "sum"
+    return reduce_op == torch.distributed.ReduceOp.SUM
 
 
 def _check_choice(name: str, value, allowed) -> None:

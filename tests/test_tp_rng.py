@@ -1,0 +1,181 @@
+"""Random numbers under tensor parallelism through the Trainer (2 gloo ranks, TP 2): dropout on replicated
+activations draws one device's masks on every rank of a TP group, also when something drew random numbers on
+one rank only after setup; dropout under sequence parallel and inside activation checkpointing is exact.
+
+``DropLlama`` is ``tests/tp_models.Llama`` with dropout on the embedding output and on each residual branch
+(activations TP replicates, or shards by sequence under sequence parallel); ``sharded=True`` adds dropout on the
+attention probabilities and the MLP hidden units (each rank's heads / columns, plain local tensors).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+import strategies
+from tests import tp_models
+from tests.harness import distributed
+from tests.lightning_models import VOCAB, dataset, sampler_batches
+
+P = 0.2
+
+
+class DropAttention(tp_models.LlamaAttention):
+    def __init__(self, *args, p: float = 0.0) -> None:
+        super().__init__(*args)
+        self.attn_drop = nn.Dropout(p)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, 1) for t in (k, v))
+        probs = self.attn_drop((q @ k.transpose(-2, -1) / self.head_dim**0.5).softmax(-1))
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class DropMLP(tp_models.SwiGLU):
+    def __init__(self, *args, p: float = 0.0) -> None:
+        super().__init__(*args)
+        self.hidden_drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.down_proj(self.hidden_drop(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DropBlock(nn.Module):
+    def __init__(self, dim: int, sharded: bool) -> None:
+        super().__init__()
+        inner = P if sharded else 0.0
+        self.attention_norm = tp_models.RMSNorm(dim)
+        self.attention = DropAttention(dim, 4, 2, 16, p=inner)
+        self.ffn_norm = tp_models.RMSNorm(dim)
+        self.feed_forward = DropMLP(dim, 48, p=inner)
+        self.resid_drop = nn.Dropout(P)
+
+    def forward(self, x):
+        h = x + self.resid_drop(self.attention(self.attention_norm(x)))
+        return h + self.resid_drop(self.feed_forward(self.ffn_norm(h)))
+
+
+class DropLlama(nn.Module):
+    def __init__(self, sharded: bool = False, dim: int = 32) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.emb_drop = nn.Dropout(P)
+        self.layers = nn.ModuleList(DropBlock(dim, sharded) for _ in range(2))
+        self.norm = tp_models.RMSNorm(dim)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.emb_drop(self.tok_embeddings(idx))
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+class LitDrop(L.LightningModule):
+    """``rank0_draws``: rank 0 alone draws from the global generator after every step (a rank-zero-only callback
+    sampling something to log), so the TP ranks' generators part ways after setup."""
+
+    def __init__(self, sharded: bool = False, rank0_draws: bool = False) -> None:
+        super().__init__()
+        self.model = DropLlama(sharded)
+        self.rank0_draws = rank0_draws
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = _loss(self.model, *batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args) -> None:
+        if self.rank0_draws and self.global_rank == 0:
+            torch.rand(3)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=4)
+
+
+def _trainer(steps: int = 3, **strategy_kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, **strategy_kwargs),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
+def _reference(steps: int, sharded: bool = False, rank0_draws: bool = False, loader_draw: bool = True):
+    """One process, the Trainer's random stream: seeded, the model built, re-seeded by the strategy's
+    ``reset_seed()``, one draw for the data loader's base seed, then per step the forward's dropout (and rank 0's
+    extra draw). The data: the sampler's order for one data-parallel replica."""
+    torch.manual_seed(0)
+    model = DropLlama(sharded)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(0)
+    if loader_draw:
+        torch.empty((), dtype=torch.int64).random_()
+    data, losses = dataset(), []
+    for idx in sampler_batches(1, 4)[:steps]:
+        opt.zero_grad()
+        loss = _loss(model, *data[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if rank0_draws:
+            torch.rand(3)
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def _max_diff(lit, ref) -> float:
+    ours = {n: p.full_tensor() for n, p in lit.model.named_parameters()}
+    return max((ours[k] - ref[k]).abs().max().item() for k in ref)
+
+
+def _tp_drift(lit) -> float:
+    """The largest difference between the TP ranks' copies of the parameters TP replicates."""
+
+    def replicated(p) -> bool:  # data-parallel size 1: the local tensor of an FSDP shard is whole
+        names = p.device_mesh.mesh_dim_names
+        return "tensor_parallel" not in names or p.placements[names.index("tensor_parallel")].is_replicate()
+
+    mine = {n: p.to_local().detach().clone() for n, p in lit.model.named_parameters() if replicated(p)}
+    assert "norm.weight" in mine
+    theirs = [None, None]
+    dist.all_gather_object(theirs, mine)
+    return max((theirs[0][k] - theirs[1][k]).abs().max().item() for k in mine)
+
+
+@distributed(world_size=2)
+def test_dropout_on_the_sequence_sharded_stream_draws_one_devices_masks():
+    """Under sequence parallel the embedding and residual dropout act on each rank's part of the sequence. As plain
+    tensors both ranks drew the same mask for their halves (positions t and t + T/2 dropped alike), off one
+    device's training; the plan runs them as DTensors (SequenceParallel), which draw one device's mask."""
+    L.seed_everything(0)
+    lit = LitDrop()
+    trainer = _trainer(sequence_parallel=True)
+    trainer.fit(lit)
+    assert "sequence_parallel: on" in "\n".join(trainer.strategy.parallel_summary["tp_summary"])
+    ref, ref_losses = _reference(3)
+    assert lit.losses == pytest.approx(ref_losses, abs=1e-5)
+    assert _max_diff(lit, ref) < 1e-5

@@ -217,6 +217,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.planner_table: str | None = None  # the planner's table when a knob is "auto"
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
+        self._rng_resync_reported = False  # the per-step RNG sync logs its first resync only
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -450,17 +451,31 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             memory = parse_bytes(self.planner_device_memory)
         return memory, device
 
-    def _sync_tp_rng_states(self) -> None:
+    def _sync_tp_rng_states(self, before: str | None = None) -> None:
         """The ranks of a TP group draw the same random numbers (dropout on replicated activations): their
-        generators take TP rank 0's state where they differ (e.g. ``seed_everything(seed + rank)``)."""
+        generators take TP rank 0's state where they differ. At the end of setup (e.g. after
+        ``seed_everything(seed + rank)``) and ``before`` every training step: code that runs on one rank
+        only between steps (a rank-zero callback that samples, a per-rank seed in ``on_train_start``) moves that
+        rank's generator alone, and its dropout masks for the same replicated activations would differ from the
+        others' while the collectives mix the two, with no error."""
         mesh = self.device_mesh
         if mesh.size("tensor_parallel") == 1:
             return
-        if sync_rng_states(mesh.get_group("tensor_parallel"), self.root_device):
+        if not sync_rng_states(mesh.get_group("tensor_parallel"), self.root_device):
+            return
+        if before is None:
             rank_zero_info(
                 "shard_fsdp_tp: the random number generators differed across the ranks of a tensor-parallel group "
                 "(seeded per rank?); each now uses its TP group's first rank's state, so dropout draws the same "
                 "mask for the replicated activations. Seed by the data-parallel rank to keep per-replica streams"
+            )
+        elif not self._rng_resync_reported:
+            self._rng_resync_reported = True
+            rank_zero_info(
+                f"shard_fsdp_tp: before {before} the random number generators differed across the "
+                "ranks of a tensor-parallel group (something drew random numbers or seeded on some ranks only "
+                "since the last step, e.g. a rank-zero-only callback); they now use the TP group's first rank's "
+                "state, as before every training step (reported once)"
             )
 
     def _fsdp_mesh(self) -> DeviceMesh:
@@ -567,6 +582,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "training", args, kwargs)
+        self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out

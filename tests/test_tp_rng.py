@@ -167,6 +167,49 @@ def _tp_drift(lit) -> float:
 
 
 @distributed(world_size=2)
+def test_rank_zero_draws_after_setup_do_not_split_the_tp_groups_dropout_masks():
+    """Rank 0 draws after every step (the generators of the TP group part ways after setup, where they were
+    synced): the replicated activations' dropout masks must still be the same on both ranks, one device's.
+    Without the per-step sync, rank 1 drew other masks for the same replicated activations and the collectives
+    mixed the two (losses and parameters off one device's by ~0.1, with no error and equal copies)."""
+    L.seed_everything(0)
+    lit = LitDrop(rank0_draws=True)
+    _trainer(sequence_parallel=False).fit(lit)
+    ref, ref_losses = _reference(3, rank0_draws=True)
+    assert lit.losses == pytest.approx(ref_losses, abs=1e-5)
+    assert _max_diff(lit, ref) < 1e-5
+    assert _tp_drift(lit) == 0
+
+
+@distributed(world_size=2)
+def test_fabric_rank_zero_draws_between_steps_do_not_split_the_tp_groups_dropout_masks():
+    """Fabric has no training step: the TP group's generators are synced before every training-mode forward."""
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategies.ShardFSDPTPFabricStrategy(tensor_parallel_size=2),
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(DropLlama())
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
+    torch.manual_seed(0)
+    data, losses = dataset(), []
+    for idx in sampler_batches(1, 4)[:3]:
+        loss = _loss(model, *data[idx])
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if dist.get_rank() == 0:
+            torch.rand(3)
+    ref, ref_losses = _reference(3, rank0_draws=True, loader_draw=False)
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    ours = {n: p.full_tensor() for n, p in model.module.named_parameters()}
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+@distributed(world_size=2)
 def test_dropout_on_the_sequence_sharded_stream_draws_one_devices_masks():
     """Under sequence parallel the embedding and residual dropout act on each rank's part of the sequence. As plain
     tensors both ranks drew the same mask for their halves (positions t and t + T/2 dropped alike), off one

@@ -245,23 +245,24 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             return module
         if parallelize.is_parallelized(module):
             rank_zero_info("shard_fsdp_tp: the model is already parallelized; left as it is")
-            parallelize.materialize(module, self.root_device)
+            self.engine._note_unset(parallelize.materialize(module, self.root_device))
         else:
             self.engine._parallelize(module)
         check_first_forwards(module, self.engine.device_mesh)  # the ranks of a TP group must see the same inputs
-        self._sync_rng_before_training_forwards(module)
+        self._checks_before_forwards(module)
         module._shard_fsdp_tp_done = True
         return module
 
-    def _sync_rng_before_training_forwards(self, module: nn.Module) -> None:
+    def _checks_before_forwards(self, module: nn.Module) -> None:
         """Fabric has no training step: the TP group's generators are synced before every forward in training
-        mode instead (see ``ShardFSDPTPStrategy._sync_tp_rng_states``)."""
-        if self.engine.device_mesh.size("tensor_parallel") == 1:
-            return
+        mode instead (see ``ShardFSDPTPStrategy._sync_tp_rng_states``), and the meta-built tensors nothing wrote
+        are checked before the first forward (``_check_unset``)."""
+        tp = self.engine.device_mesh.size("tensor_parallel") > 1
         forwards = itertools.count()
 
         def pre_forward(mod: nn.Module, args: tuple) -> None:
-            if mod.training:
+            self.engine._check_unset(mod, "the first forward")  # meta tensors nothing wrote: raise (once)
+            if tp and mod.training:
                 self.engine._sync_tp_rng_states(before=f"training-mode forward {next(forwards)}")
 
         module.register_forward_pre_hook(pre_forward)

@@ -148,7 +148,7 @@ def _apply_activation_checkpointing(model: nn.Module, classes: set[type]) -> Non
             m._ls_checkpointed = True
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device) -> Unset:
     """Give meta-device parameters and buffers real storage on ``device`` and initialise them.
 
     Each module's ``reset_parameters()`` runs on its (sharded) parameters; our DTensor random ops produce
@@ -156,9 +156,15 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     0's RNG states, of the CPU generator and of ``device``'s (``reset_parameters`` of parameters on the
     accelerator draws from its generator), so replicated values agree; each rank's own states are restored
     afterwards.
+
+    What no ``reset_parameters()`` writes (a norm weight set in ``__init__``, a rotary table computed there as a
+    non-persistent buffer) would be uninitialised memory, different on every rank: it is filled with NaN
+    (integers: their lowest value, or highest if unsigned; booleans: False) before the resets, and returned as
+    an :class:`Unset` (the same on every rank: one all-reduce of flags), which the strategies report at once and
+    check again, before the first step, after a checkpoint may have loaded them.
     """
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return
+        return Unset()
     model.to_empty(device=device)
     handle = handle_for(device)
     states = [torch.get_rng_state(), handle.get_rng_state()]
@@ -168,6 +174,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         handle.set_rng_state(synced[1])
     try:
         with torch.no_grad():
+            unset = Unset(tuple(_named_tensors(model)))
+            unset.fill(model)
             for m in model.modules():
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
@@ -176,6 +184,96 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         torch.set_rng_state(states[0])
         if states[1] is not None:
             handle.set_rng_state(states[1])
+    return unset.still_unset(model, device)
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict([*model.named_parameters(), *model.named_buffers()])
+
+
+class Unset:
+    """Parameters and buffers of a materialized model that nothing has written yet, by name. ``fill`` marks
+    them (NaN, an integer's extreme, or for booleans the version counter after writing False); ``still_unset``
+    keeps those still marked on some rank (one max all-reduce of flags over all ranks, so every rank agrees);
+    ``check`` raises on every rank if any is.
+
+    Example: ``unset = materialize(model, device); ...load a checkpoint...; unset.check(model, device, "step")``.
+    """
+
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.names = names
+        self._versions: dict[str, int] = {}  # booleans: no value marks them, their version counter does
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def fill(self, model: nn.Module) -> None:
+        tensors = _named_tensors(model)
+        for name in self.names:
+            t = tensors[name]
+            if t.dtype == torch.bool:
+                t.fill_(False)
+                self._versions[name] = _local(t)._version
+            else:
+                t.fill_(_mark(t.dtype))
+
+    def _flags(self, model: nn.Module, device: torch.device) -> torch.Tensor | None:
+        tensors = _named_tensors(model)
+        flags = []
+        for name in self.names:
+            t = tensors.get(name)
+            local = _local(t) if t is not None else None
+            if local is None or not has_data(local) or local.numel() == 0:
+                flags.append(0)
+            elif t.dtype == torch.bool:
+                flags.append(int(self._versions.get(name) == local._version))
+            elif t.dtype.is_floating_point or t.dtype.is_complex:
+                flags.append(int(torch.isnan(local).all()))
+            else:
+                flags.append(int((local == _mark(t.dtype)).all()))
+        if not flags:
+            return None
+        on = device if "cpu" not in comm.served_device_types() else torch.device("cpu")
+        out = torch.tensor(flags, dtype=torch.int32, device=on)
+        comm.all_reduce_flags(out, dist.group.WORLD)
+        return out
+
+    def still_unset(self, model: nn.Module, device: torch.device) -> Unset:
+        flags = self._flags(model, device)
+        if flags is None or not comm.carries_data():
+            return Unset()
+        kept = Unset(tuple(n for n, f in zip(self.names, flags.tolist()) if f))
+        kept._versions = {n: v for n, v in self._versions.items() if n in kept.names}
+        return kept
+
+    def describe(self, limit: int = 8) -> str:
+        more = f" and {len(self.names) - limit} more" if len(self.names) > limit else ""
+        return ", ".join(repr(n) for n in self.names[:limit]) + more
+
+    def check(self, model: nn.Module, device: torch.device, before: str) -> None:
+        """Raise on every rank if a parameter or buffer is still unwritten (one all-reduce; call on every rank)."""
+        if not self.names:
+            return
+        left = self.still_unset(model, device)
+        if left:
+            raise RuntimeError(
+                f"shard_fsdp_tp: before {before}: the model was built on the meta device and no reset_parameters() "
+                f"of its modules, and no checkpoint, wrote {left.describe()}; they hold NaN (integers their extreme "
+                "value) instead of what the module's __init__ computed, which the meta device does not keep. Give "
+                "the module that owns them a reset_parameters() that writes them (buffers computed in __init__ "
+                "too), load a checkpoint, or build the model without empty_init / torch.device('meta')"
+            )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _mark(dtype: torch.dtype):
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    info = torch.iinfo(dtype)
+    return info.max if info.min == 0 else info.min
 
 
 def broadcast_plain_model(model: nn.Module, mesh: DeviceMesh) -> None:

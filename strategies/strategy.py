@@ -218,6 +218,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
         self._rng_resync_reported = False  # the per-step RNG sync logs its first resync only
+        self._unset = parallelize.Unset()  # meta-built tensors no reset_parameters() wrote (checked at a first step)
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -478,6 +479,22 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 "state, as before every training step (reported once)"
             )
 
+    def _note_unset(self, unset: parallelize.Unset) -> None:
+        """Keep what materializing the meta model left unwritten (NaN) for ``_check_unset``, and say so now."""
+        self._unset = unset
+        if unset:
+            rank_zero_warn(
+                f"shard_fsdp_tp: the model was built on the meta device and no reset_parameters() writes "
+                f"{unset.describe()}; they hold NaN until a checkpoint loads them, and the first step raises if "
+                "they still do (give their modules a reset_parameters())"
+            )
+
+    def _check_unset(self, model: nn.Module, before: str) -> None:
+        """Once, before the first step of any loop (after Lightning restored a checkpoint, if any): raise on every
+        rank if a parameter or buffer of the meta-built model is still unwritten (one all-reduce, only then)."""
+        unset, self._unset = self._unset, parallelize.Unset()
+        unset.check(model, self.root_device, before)
+
     def _fsdp_mesh(self) -> DeviceMesh:
         mesh = self.device_mesh
         if "replicate" in mesh.mesh_dim_names:
@@ -549,7 +566,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
-        parallelize.materialize(model, self.root_device)
+        self._note_unset(parallelize.materialize(model, self.root_device))
         _move_buffers(model, self.root_device)
         parallelize.check_no_drift(model)
         self._sync_tp_rng_states()
@@ -582,6 +599,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "training", args, kwargs)
+        self._check_unset(self.model, "the first training step")
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
@@ -604,16 +622,19 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "validation", args, kwargs)
+        self._check_unset(self.model, "the first validation step")
         with self.precision_plugin.val_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "test", args, kwargs)
+        self._check_unset(self.model, "the first test step")
         with self.precision_plugin.test_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "predict", args, kwargs)
+        self._check_unset(self.model, "the first predict step")
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 

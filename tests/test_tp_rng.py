@@ -9,6 +9,11 @@ attention probabilities and the MLP hidden units (each rank's heads / columns, p
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -80,6 +85,22 @@ class DropLlama(nn.Module):
         return self.output(self.norm(x))
 
 
+@contextlib.contextmanager
+def _global_seed(seed: int | None):
+    """``seed_everything(seed)`` (``None``: no global seed, as in a fresh process); the environment variables it
+    sets, which the strategy's ``reset_seed()`` reads, are restored afterwards (the test workers are reused)."""
+    saved = {k: os.environ.pop(k, None) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    try:
+        if seed is not None:
+            L.seed_everything(seed, verbose=False)
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
 def _loss(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
@@ -110,11 +131,11 @@ class LitDrop(L.LightningModule):
         return DataLoader(dataset(), batch_size=4)
 
 
-def _trainer(steps: int = 3, **strategy_kwargs) -> L.Trainer:
+def _trainer(steps: int = 3, tp: int = 2, **strategy_kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, **strategy_kwargs),
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp, **strategy_kwargs),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -172,9 +193,9 @@ def test_rank_zero_draws_after_setup_do_not_split_the_tp_groups_dropout_masks():
     synced): the replicated activations' dropout masks must still be the same on both ranks, one device's.
     Without the per-step sync, rank 1 drew other masks for the same replicated activations and the collectives
     mixed the two (losses and parameters off one device's by ~0.1, with no error and equal copies)."""
-    L.seed_everything(0)
-    lit = LitDrop(rank0_draws=True)
-    _trainer(sequence_parallel=False).fit(lit)
+    with _global_seed(0):
+        lit = LitDrop(rank0_draws=True)
+        _trainer(sequence_parallel=False).fit(lit)
     ref, ref_losses = _reference(3, rank0_draws=True)
     assert lit.losses == pytest.approx(ref_losses, abs=1e-5)
     assert _max_diff(lit, ref) < 1e-5
@@ -214,11 +235,109 @@ def test_dropout_on_the_sequence_sharded_stream_draws_one_devices_masks():
     """Under sequence parallel the embedding and residual dropout act on each rank's part of the sequence. As plain
     tensors both ranks drew the same mask for their halves (positions t and t + T/2 dropped alike), off one
     device's training; the plan runs them as DTensors (SequenceParallel), which draw one device's mask."""
-    L.seed_everything(0)
-    lit = LitDrop()
-    trainer = _trainer(sequence_parallel=True)
-    trainer.fit(lit)
+    with _global_seed(0):
+        lit = LitDrop()
+        trainer = _trainer(sequence_parallel=True)
+        trainer.fit(lit)
     assert "sequence_parallel: on" in "\n".join(trainer.strategy.parallel_summary["tp_summary"])
     ref, ref_losses = _reference(3)
     assert lit.losses == pytest.approx(ref_losses, abs=1e-5)
     assert _max_diff(lit, ref) < 1e-5
+
+
+def _block_init(block: tp_models.LlamaBlock, norms: bool = True) -> None:
+    """What ``tests/tp_models.Llama.__init__`` computes and no ``reset_parameters()`` of its modules re-creates:
+    the attention's rotary tables (non-persistent buffers) and the RMSNorm weights (ones)."""
+    attention = block.attention
+    cos, sin = tp_models.rotary_tables(attention.head_dim, attention.cos.shape[0])
+    attention.cos.copy_(cos)
+    attention.sin.copy_(sin)
+    if norms:
+        nn.init.ones_(block.attention_norm.weight)
+        nn.init.ones_(block.ffn_norm.weight)
+
+
+def _meta_llama(init: str) -> tp_models.Llama:
+    """``init="all"``: the blocks and the final norm get a ``reset_parameters()`` writing what ``__init__``
+    computed; ``"buffers"``: the blocks' writes the rotary tables only; ``"none"``: nothing."""
+    with torch.device("meta"):
+        model = tp_models.Llama(vocab=VOCAB)
+    if init != "none":
+        for block in model.layers:
+            block.reset_parameters = functools.partial(_block_init, block, norms=init == "all")
+    if init == "all":
+        model.norm.reset_parameters = lambda: nn.init.ones_(model.norm.weight)  # the sharded one, when called
+    return model
+
+
+class LitMeta(L.LightningModule):
+    """``tests/tp_models.Llama`` built on the meta device in ``configure_model``."""
+
+    def __init__(self, init: str) -> None:
+        super().__init__()
+        self.init = init
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = _meta_llama(self.init)
+
+    def training_step(self, batch, batch_idx):
+        return _loss(self.model, *batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=4)
+
+
+def _meta_reference(seed: int) -> tuple[tp_models.Llama, dict[str, torch.Tensor]]:
+    """One process, the same procedure: on meta, ``to_empty``, every module's ``reset_parameters()`` in order."""
+    torch.manual_seed(seed)
+    model = _meta_llama("all")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for m in model.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+    return model, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@distributed(world_size=2)
+def test_meta_init_under_tp_equals_one_process_and_never_trains_on_uninitialised_memory():
+    """TP 2, ranks seeded differently: the materialized parameters and buffers are one process's (from rank 0's
+    seed), replicated ones equal on both ranks. Then FSDP 2 without the blocks' reset_parameters(): the norms'
+    weights and the rotary tables were uninitialised memory (up to ~1e32 and different on each rank) and
+    training went on with them; now the first step raises on every rank, naming them."""
+    torch.manual_seed(10 + dist.get_rank())
+    lit = LitMeta("all")
+    with _global_seed(None):
+        _trainer(steps=0, sequence_parallel=False).fit(lit)
+    model, ref = _meta_reference(10)
+    assert _max_diff(lit, ref) == 0
+    assert _tp_drift(lit) == 0
+    assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in lit.model.named_buffers())
+
+    lit = LitMeta("none")
+    with pytest.raises(RuntimeError, match=r"(?s)no reset_parameters\(\).*layers\.0\.attention_norm\.weight.*cos"):
+        _trainer(tp=1).fit(lit)
+
+
+@distributed(world_size=2)
+def test_meta_init_with_a_checkpoint_loading_what_no_reset_parameters_wrote_trains(tmp_path):
+    """Lightning's pattern for big models: build on meta, ``fit(ckpt_path=...)``. The norms (no
+    reset_parameters) are NaN after setup; the checkpoint writes them before the first step: no error."""
+    path = str(tmp_path / "meta.ckpt")
+    trainer = _trainer(steps=1, tp=1)
+    trainer.fit(LitMeta("all"))
+    trainer.save_checkpoint(path)
+    lit = LitMeta("buffers")
+    trainer = _trainer(steps=2, tp=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(lit, ckpt_path=path)  # one step after the restore
+    assert trainer.global_step == 2
+    if dist.get_rank() == 0:  # said at setup (rank zero): the norms were unwritten then
+        assert any("attention_norm.weight'" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert all(torch.isfinite(p.full_tensor()).all() for p in lit.parameters())

@@ -1,6 +1,10 @@
-"""Random numbers under tensor parallelism through the Trainer (2 gloo ranks, TP 2): dropout on replicated
-activations draws one device's masks on every rank of a TP group, also when something drew random numbers on
-one rank only after setup; dropout under sequence parallel and inside activation checkpointing is exact.
+"""Random numbers under tensor parallelism and FSDP through the Trainer (2 gloo ranks) and Fabric, against one
+process on the same data and seed: dropout on replicated activations draws one device's masks on every rank of
+a TP group, also when something drew random numbers on one rank only after setup; dropout on the
+sequence-sharded stream under sequence parallel draws one device's masks; dropout on each rank's heads and MLP
+columns draws as torch's ``parallelize_module``; activation checkpointing recomputes the forward's masks; a model
+built on meta materializes as one process would, and what no ``reset_parameters()`` writes is an error, never
+uninitialised memory.
 
 ``DropLlama`` is ``tests/tp_models.Llama`` with dropout on the embedding output and on each residual branch
 (activations TP replicates, or shards by sequence under sequence parallel); ``sharded=True`` adds dropout on the
@@ -341,3 +345,66 @@ def test_meta_init_with_a_checkpoint_loading_what_no_reset_parameters_wrote_trai
     if dist.get_rank() == 0:  # said at setup (rank zero): the norms were unwritten then
         assert any("attention_norm.weight'" in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert all(torch.isfinite(p.full_tensor()).all() for p in lit.parameters())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_dropout_inside_activation_checkpointing_recomputes_the_same_masks(tp):
+    """The strategy's activation checkpointing recomputes each block in backward: its dropout (replicated,
+    sequence-sharded DTensor under TP's sequence parallel, each rank's heads and MLP columns) must draw the
+    forward's masks again, or the gradients belong to another network. FSDP 2 and TP 2 (sequence parallel on):
+    parameters and losses equal to the run without checkpointing."""
+    runs = []
+    for policy in (None, {DropBlock}):
+        with _global_seed(0):
+            lit = LitDrop(sharded=True)
+            _trainer(tp=tp, activation_checkpointing_policy=policy).fit(lit)
+        runs.append(({n: p.full_tensor() for n, p in lit.model.named_parameters()}, lit.losses))
+    (plain, plain_losses), (ckpt, ckpt_losses) = runs
+    assert ckpt_losses == plain_losses
+    assert max((ckpt[k] - plain[k]).abs().max().item() for k in plain) == 0
+
+
+@distributed(world_size=2)
+def test_dropout_on_each_ranks_heads_and_columns_draws_as_torch_parallelize_module():
+    """Dropout inside the sharded attention and MLP acts on plain local tensors (each rank's heads / MLP
+    columns). torch's TP draws those masks from the default generator at the same stream position on every rank,
+    so each rank's part gets the same mask (not one device's; docs/tp.md). Ours does exactly what torch's
+    ``parallelize_module`` does with torchtitan's plan on the same model, seed and batch."""
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor.parallel import ColwiseParallel as TC
+    from torch.distributed.tensor.parallel import RowwiseParallel as TRow
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from lightning_shard import init_device_mesh
+    from lightning_shard.tp import auto_tp_plan, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    torch.manual_seed(0)
+    ours = DropLlama(sharded=True)
+    theirs = DropLlama(sharded=True)
+    theirs.load_state_dict(ours.state_dict())
+    with pytest.warns(UserWarning, match="dropout in training mode inside tensor-parallel modules"):
+        plan = auto_tp_plan(ours, mesh, sequence_parallel=False)
+    parallelize_module(ours, mesh, plan)
+    torch_plan = {"tok_embeddings": TRow(input_layouts=TR()), "output": TC(output_layouts=TR())}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        torch_plan[f"layers.*.attention.{name}"] = TC()
+    torch_plan["layers.*.attention.o_proj"] = TRow()
+    torch_plan.update({"layers.*.feed_forward.gate_proj": TC(), "layers.*.feed_forward.up_proj": TC()})
+    torch_plan["layers.*.feed_forward.down_proj"] = TRow()
+    torch_parallelize(theirs, mesh.to_torch(), torch_plan)
+    for layer in theirs.layers:
+        layer.attention.n_heads //= 2
+        layer.attention.n_kv_heads //= 2
+    x, y = dataset()[:4]
+    outs = []
+    for model in (ours, theirs):
+        torch.manual_seed(5)
+        logits = model(x)
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}  # torch's plan leaves the norms plain tensors
+        outs.append((logits, {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}))
+    (ours_logits, ours_grads), (their_logits, their_grads) = outs
+    assert torch.equal(ours_logits, their_logits)
+    assert max((ours_grads[k] - their_grads[k]).abs().max().item() for k in ours_grads) < 1e-6

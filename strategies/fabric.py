@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -252,8 +253,22 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         check_first_forwards(module, self.engine.device_mesh)  # the ranks of a TP group must see the same inputs
         if unset is not None:  # a checkpoint loaded before the first forward may still fill them
             check_initialised_at_first_forward(module, unset)
+        self._sync_rng_before_training_forwards(module)
         module._shard_fsdp_tp_done = True
         return module
+
+    def _sync_rng_before_training_forwards(self, module: nn.Module) -> None:
+        """Fabric has no training step: the TP group's generators are synced before every forward in training
+        mode instead (see ``ShardFSDPTPStrategy._sync_tp_rng_states``)."""
+        if self.engine.device_mesh.size("tensor_parallel") == 1:
+            return
+        forwards = itertools.count()
+
+        def pre_forward(mod: nn.Module, args: tuple) -> None:
+            if mod.training:
+                self.engine._sync_tp_rng_states(before=f"training-mode forward {next(forwards)}")
+
+        module.register_forward_pre_hook(pre_forward)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler=None

@@ -220,6 +220,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # names materialize could not initialise (None: nothing was on meta); checked before the first step,
         # after a checkpoint had the chance to fill them
         self._unset_after_materialize: list[str] | None = None
+        self._rng_resync_reported = False  # the per-step RNG sync logs its first resync only
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -453,17 +454,31 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             memory = parse_bytes(self.planner_device_memory)
         return memory, device
 
-    def _sync_tp_rng_states(self) -> None:
+    def _sync_tp_rng_states(self, before: str | None = None) -> None:
         """The ranks of a TP group draw the same random numbers (dropout on replicated activations): their
-        generators take TP rank 0's state where they differ (e.g. ``seed_everything(seed + rank)``)."""
+        generators take TP rank 0's state where they differ. At the end of setup (e.g. after
+        ``seed_everything(seed + rank)``) and ``before`` every training step: code that runs on one rank
+        only between steps (a rank-zero callback that samples, a per-rank seed in ``on_train_start``) moves that
+        rank's generator alone, and its dropout masks for the same replicated activations would differ from the
+        others' while the collectives mix the two, with no error."""
         mesh = self.device_mesh
         if mesh.size("tensor_parallel") == 1:
             return
-        if sync_rng_states(mesh.get_group("tensor_parallel"), self.root_device):
+        if not sync_rng_states(mesh.get_group("tensor_parallel"), self.root_device):
+            return
+        if before is None:
             rank_zero_info(
                 "shard_fsdp_tp: the random number generators differed across the ranks of a tensor-parallel group "
                 "(seeded per rank?); each now uses its TP group's first rank's state, so dropout draws the same "
                 "mask for the replicated activations. Seed by the data-parallel rank to keep per-replica streams"
+            )
+        elif not self._rng_resync_reported:
+            self._rng_resync_reported = True
+            rank_zero_info(
+                f"shard_fsdp_tp: before {before} the random number generators differed across the "
+                "ranks of a tensor-parallel group (something drew random numbers or seeded on some ranks only "
+                "since the last step, e.g. a rank-zero-only callback); they now use the TP group's first rank's "
+                "state, as before every training step (reported once)"
             )
 
     def _fsdp_mesh(self) -> DeviceMesh:
@@ -538,6 +553,14 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
         self._unset_after_materialize = parallelize.materialize(model, self.root_device)
+        if self._unset_after_materialize:  # said now; the first step raises if no checkpoint fills them
+            names = self._unset_after_materialize
+            shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            rank_zero_warn(
+                f"shard_fsdp_tp: the model was built on the meta device and no reset_parameters() writes {shown}; "
+                "they hold a placeholder (NaN) until a checkpoint loads them, and the first step raises if they "
+                "still do (give their modules a reset_parameters())"
+            )
         _move_buffers(model, self.root_device)
         parallelize.check_no_drift(model)
         self._sync_tp_rng_states()
@@ -580,6 +603,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
+        self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out

@@ -727,6 +727,21 @@ def auto_tp_plan(
                 lines.append(f"{f}: SequenceParallel")
             else:
                 lines.append(f"{f}: norm after the blocks without an LM head, runs replicated")
+        # Dropout on the sequence-sharded stream (the embedding's, each residual branch's): as a plain tensor
+        # every rank would draw the same mask for its part of the sequence (positions t and t + T/tp dropped
+        # alike), not one device's. A DTensor input draws one device's mask and keeps its part, as torch's
+        # SequenceParallel does for nn.Dropout. Only where the input is surely the sequence-sharded stream: in a
+        # block outside the sharded attention and MLP (whose dropout may act on heads or hidden columns), or
+        # before the first block; one after the blocks may see the gathered output.
+        sharded_units = [a.fqn for a in attns.values() if a.sharded and a.whole_module]
+        sharded_units += [p.fqn for p in mlps.values() if p.sharded and p.whole_module]
+        first = order.index(blocks[0])
+        for f, m in modules.items():
+            if not isinstance(m, nn.Dropout) or f in inside_mha or inside(f, sharded_units):
+                continue
+            if f in in_block or order.index(f) < first:
+                add(f, SequenceParallel(use_local_output=True))
+                lines.append(f"{f}: SequenceParallel (dropout on the sequence-sharded activations)")
         if not heads:
             add(last, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate()))
             lines.append(f"{last}: output gathered from the sequence dim (no LM head follows)")

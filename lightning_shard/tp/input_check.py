@@ -78,7 +78,10 @@ def check_same_inputs(obj: Any, group: dist.ProcessGroup, *, what: str = "inputs
 def sync_rng_states(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Give every rank of ``group`` the random-number-generator states of its first rank (the CPU generator,
     and ``device``'s when it is a CUDA device); returns whether they differed. Every rank of ``group`` must
-    call it (one small all-gather, and a broadcast only when the states differ).
+    call it: one all-reduce of two integers (a digest of the states) and, only when the states differ, a
+    broadcast of the first rank's. Cheap enough to call before every training step (the strategies do, since
+    code running on one rank only between steps, e.g. a rank-zero callback that samples, moves that rank's
+    generator alone).
 
     Example: ``sync_rng_states(tp_mesh.get_group(), torch.device("cuda", local_rank))``.
     """
@@ -87,8 +90,7 @@ def sync_rng_states(group: dist.ProcessGroup, device: torch.device) -> bool:
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
-    digests = [_digest(state) for state in states]
-    if all(theirs == digests for theirs in comm.all_gather_objects(digests, group=group)):
+    if not _states_differ(states, group, device):
         return False
     first = dist.get_process_group_ranks(group)[0]
     states = comm.broadcast_object(states if dist.get_rank() == first else None, src=first, group=group)
@@ -96,6 +98,17 @@ def sync_rng_states(group: dist.ProcessGroup, device: torch.device) -> bool:
     if device.type == "cuda":
         torch.cuda.set_rng_state(states[1], device)
     return True
+
+
+def _states_differ(states: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the generator states differ on some rank of ``group``: a max all-reduce of ``(d, -d)`` for a
+    62-bit digest ``d`` of this rank's states, on the host when the group carries host tensors."""
+    digest = int(_digest(torch.cat([s.reshape(-1).view(torch.uint8) for s in states])), 16) & ((1 << 62) - 1)
+    on = "cpu" if "cpu" in comm.served_device_types(group) else device
+    flags = torch.tensor([digest, -digest], dtype=torch.int64, device=on)
+    comm.all_reduce_flags(flags, group)
+    high, neg_low = flags.tolist()
+    return high != -neg_low
 
 
 def _collect(obj: Any, path: str, out: list[tuple], depth: int) -> None:

@@ -3,11 +3,12 @@
 The model is ``tests.fsdp_models.TinyGPT`` with ``--blocks`` blocks (48 blocks: 289 trainable parameters),
 ``fully_shard``'ed per block and at the root on 2 gloo ranks, once with our engine and once with torch's. After
 one forward/backward (so every parameter has a sharded gradient), ``opt.step()`` is timed ``--repeats`` times,
-ours and torch's alternating, for ``AdamW(foreach=True)`` and ``AdamW(foreach=False)``; medians on rank 0.
+ours and torch's alternating, for ``AdamW(foreach=True)``, ``AdamW(foreach=False)`` and ``AdamW(fused=True)``;
+medians on rank 0.
 
     python benchmarks/optimizer_step.py --json runs/optimizer_step.json
 
-``--json`` writes ``{"foreach": {"ours_ms": ..., "torch_ms": ..., "ratio": ...}, "for_loop": {...}}``.
+``--json`` writes ``{"foreach": {"ours_ms": ..., "torch_ms": ..., "ratio": ...}, "for_loop": {...}, "fused": {...}}``.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def _worker(rank: int, world: int, port: int, args: dict) -> None:
         loss_fn(m, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
     n_params = sum(p.requires_grad for p in base.parameters())
     results = {}
-    for foreach in (True, False):
+    variants = {"foreach": {"foreach": True}, "for_loop": {"foreach": False}, "fused": {"fused": True}}
+    for variant, kwargs in variants.items():
         opts = {
-            k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, foreach=foreach)
+            k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, **kwargs)
             for k, m in models.items()
         }
         times: dict[str, list[float]] = {k: [] for k in opts}
@@ -72,7 +74,7 @@ def _worker(rank: int, world: int, port: int, args: dict) -> None:
                 if r >= args["warmup"]:
                     times[k].append(dt * 1e3)
         ours, theirs = statistics.median(times["ours"]), statistics.median(times["torch"])
-        results["foreach" if foreach else "for_loop"] = {
+        results[variant] = {
             "ours_ms": round(ours, 2),
             "torch_ms": round(theirs, 2),
             "ratio": round(ours / theirs, 3),

@@ -226,7 +226,13 @@ def _every_optimizer_run(name: str, foreach: bool, mesh=None, steps: int = 2) ->
     g = torch.Generator().manual_seed(0)
     fulls = [torch.randn(s, generator=g) for s in SHAPES]
     grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
-    wrap = (lambda t: t.clone()) if mesh is None else (lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+    # every rank builds the same tensors: no broadcast (src_data_rank=None), so the test is not a chain of tiny
+    # collectives, slow on a loaded machine
+    wrap = (
+        (lambda t: t.clone())
+        if mesh is None
+        else (lambda t: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None))
+    )
     params = [torch.nn.Parameter(wrap(f)) for f in fulls]
     opt = getattr(torch.optim, name)(params, lr=0.05, foreach=foreach, **_EVERY_OPTIMIZER[name])
     for k in range(steps):

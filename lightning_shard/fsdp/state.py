@@ -31,6 +31,7 @@ from torch.autograd import Variable
 from lightning_shard.fsdp.param_group import FSDPParamGroup
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy
 from lightning_shard.fsdp.training_state import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, TrainingState, UnitState
+from lightning_shard.sac import outside_sac
 
 
 class FSDPState:
@@ -115,6 +116,7 @@ class FSDPState:
         """Whether this call runs inside the same unit's own forward (the outer call's hooks do the work)."""
         return self.calls_running > 1 and self.unit.current is FORWARD
 
+    @outside_sac
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.summoned:
             return args, kwargs
@@ -172,6 +174,7 @@ class FSDPState:
             if group is not None and group.pending_all_gather is not None and not group.is_unsharded:
                 group.reshard()
 
+    @outside_sac
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if self.summoned:
             return output
@@ -299,6 +302,7 @@ class FSDPState:
         self._remove_regather_hooks()
         self._regather_hooks = [m.register_forward_pre_hook(self._regather) for m in owners.values()]
 
+    @outside_sac
     def _regather(self, module: nn.Module, args: tuple) -> None:
         """A module holding this unit's parameters is called again inside the unit's forward: all-gather them."""
         self._remove_regather_hooks()

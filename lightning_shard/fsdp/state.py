@@ -135,9 +135,13 @@ class FSDPState:
             self.root.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
-            for state in self._forward_prefetch_targets():
-                if state.group is not None:
-                    state.group.start_unshard()
+            # A forward inside backward is a reentrant checkpoint's recompute: the units after this one in the
+            # forward order have finished their backward, so prefetching them would gather (and hold until the
+            # end of backward) parameters nothing reads; backward prefetch orders the recomputes instead.
+            if not _in_backward():
+                for state in self._forward_prefetch_targets():
+                    if state.group is not None:
+                        state.group.start_unshard()
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._mark_inputs_for_post_backward(args, kwargs)
@@ -183,13 +187,15 @@ class FSDPState:
         if self.unit.current is PRE_BACKWARD:  # the recomputation (activation checkpointing) returned
             self.unit.on("post_forward")
             return self._cast_output(output)
-        if self.is_root:
+        recompute = _in_backward()  # a reentrant checkpoint's recompute: this unit's backward runs next
+        if self.is_root and not recompute:
             self._drop_unused_prefetches()
         self._remove_regather_hooks()
         grad = torch.is_grad_enabled()
-        # The root's parameters would be all-gathered again right away for backward: keep them (as torch does).
-        # Without grad no backward comes, so always free them.
-        if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root)):
+        # The root's parameters would be all-gathered again right away for backward: keep them (as torch does),
+        # and so a recomputed unit's (torch reshards it and all-gathers again at its pre-backward). Without grad
+        # no backward comes, so always free them.
+        if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root and not recompute)):
             self.group.reshard(keep_post_forward_shard=grad)  # only kept with reshard_after_forward=<int>
         self.unit.on("post_forward")
         output = self._cast_output(output)

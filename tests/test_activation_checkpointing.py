@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -243,3 +244,17 @@ def test_recomputed_units_gather_once_per_backward():
     plain = 2 * (6 - 1) + 1  # 6 groups; the root keeps its parameters for backward (docs/fsdp.md)
     # a unit called twice is gathered once more in forward and once more in backward, checkpointed or not
     assert counts == {None: plain, "reentrant_units": plain, "spanning_two_units": plain, "unit_twice": plain + 2}
+
+
+@distributed(world_size=2)
+def test_checkpoint_sequential_over_a_sharded_sequential_names_the_cause():
+    """``checkpoint_sequential`` calls the children of the ``nn.Sequential`` directly, so when the Sequential is
+    the FSDP unit its hooks never gather the parameters (torch's fully_shard fails the same way); the error
+    says so, on every rank, before any collective."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+    fully_shard(seq, mesh=mesh)
+    x = torch.randn(2, DIM, requires_grad=True)
+    with pytest.raises(RuntimeError, match="outside the forward of its fully_shard unit.*checkpoint_sequential"):
+        checkpoint_sequential(seq, 2, x, use_reentrant=False)

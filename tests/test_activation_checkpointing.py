@@ -12,6 +12,9 @@ running the same code on the same data (every parameter after several optimizer 
   units, gradient accumulation without sync with ``reshard_after_forward=False``, and dropout inside reentrant
   and non-reentrant regions (against one process without checkpointing that runs each rank's half under the
   rank's seed); plus the all-gathers each form costs.
+* Trainer: Hugging Face ``gradient_checkpointing_enable()`` (the installed transformers defaults to
+  ``use_reentrant=False``; both are run) on Llama, GPT-2 and BERT under FSDP 2 and TP 2, called in
+  ``__init__`` or ``configure_model``; each run checks that the layers were recomputed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential
 from torch.utils.checkpoint import create_selective_checkpoint_contexts as sac_contexts
 
+import strategies
 from lightning_shard import init_device_mesh
 from lightning_shard.fsdp import fully_shard
 from lightning_shard.tp import auto_tp_plan, parallelize_module
@@ -258,3 +263,137 @@ def test_checkpoint_sequential_over_a_sharded_sequential_names_the_cause():
     x = torch.randn(2, DIM, requires_grad=True)
     with pytest.raises(RuntimeError, match="outside the forward of its fully_shard unit.*checkpoint_sequential"):
         checkpoint_sequential(seq, 2, x, use_reentrant=False)
+
+
+# ---------------------------------------------------------------------------------------------------- Trainer
+STEPS = 3
+_FIRST_LEAF = {"llama": "layers.0.self_attn.q_proj", "gpt2": "h.0.attn.c_attn", "bert": "layer.0.attention.self.query"}
+
+
+def _hf_model(family: str, dropout: float, peft: bool) -> nn.Module:
+    from tests import hf_models
+
+    model = hf_models.build(family)
+    if dropout:  # GPT-2's embedding, attention and residual dropout
+        model.config.update(dict(embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout))
+        torch.manual_seed(0)
+        model = type(model)(model.config).float()
+    if peft:  # LoRA adapters on a frozen base: the case transformers makes the embedding output require grad for
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.02, generator=g)  # peft starts B at zero: give every adapter a gradient
+    return model
+
+
+def _enable(model: nn.Module, gc_kwargs: dict | None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed it activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+
+
+def _loss(model, ids, batch_idx):
+    from tests import hf_models
+
+    torch.manual_seed(1000 + batch_idx)  # the same dropout masks here and in the reference
+    return hf_models.lm_loss(model, ids)
+
+
+class _LitHFCheckpointed(L.LightningModule):
+    """A Hugging Face model with ``gradient_checkpointing_enable`` called in ``__init__`` or ``configure_model``;
+    counts the calls of the first Linear of layer 0 (twice per step when the layer is recomputed)."""
+
+    def __init__(self, family, gc_kwargs, where, dropout=0.0, peft=False):
+        super().__init__()
+        self.args = (family, gc_kwargs, dropout, peft)
+        self.calls = 0
+        self.model = self._build() if where == "init" else None
+
+    def _build(self):
+        family, gc_kwargs, dropout, peft = self.args
+        model = _hf_model(family, dropout, peft)
+        _enable(model, gc_kwargs)
+        leaf = next(m for n, m in model.named_modules() if n.endswith(_FIRST_LEAF[family]))
+        leaf.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+        return model
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = self._build()
+
+    def training_step(self, batch, batch_idx):
+        return _loss(self.model, batch[0], batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        from tests.hf_models import token_dataset
+
+        return torch.utils.data.DataLoader(token_dataset(), batch_size=2, shuffle=False)
+
+
+def _hf_reference(family, dp, dropout, peft, accumulate):
+    """One process without checkpointing, on the global batches the ``dp`` data-parallel ranks see."""
+    from tests.hf_models import token_dataset
+    from tests.lightning_models import sampler_batches
+
+    model = _hf_model(family, dropout, peft)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    data = token_dataset()
+    order = iter(sampler_batches(dp, 2, n=len(data)))
+    for step in range(STEPS):
+        opt.zero_grad()
+        for k in range(accumulate):
+            (_loss(model, data[next(order)][0], step * accumulate + k) / accumulate).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _fit_hf(family, gc_kwargs, tp, where, dropout=0.0, peft=False, accumulate=1):
+    module = _LitHFCheckpointed(family, gc_kwargs, where, dropout, peft)
+    L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp),
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module)
+    case = (family, gc_kwargs, f"tp={tp}", where, dropout, peft, accumulate)
+    assert module.calls == 2 * STEPS * accumulate, (case, module.calls)  # each layer ran again in backward
+    ref = _hf_reference(family, 2 // tp, dropout, peft, accumulate)
+    ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
+    assert ours.keys() == ref.keys(), case
+    worst = max((ours[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst < 1e-5, (case, worst)
+
+
+REENTRANT = {"use_reentrant": True}
+
+
+@distributed(world_size=2)
+def test_hf_gradient_checkpointing_through_the_trainer_matches_one_process():
+    _fit_hf("llama", REENTRANT, 1, "configure_model")
+    _fit_hf("gpt2", None, 2, "init", dropout=0.1)  # transformers' default: use_reentrant=False
+    _fit_hf("bert", REENTRANT, 2, "configure_model")
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_more_hf_gradient_checkpointing_through_the_trainer():
+    _fit_hf("llama", None, 2, "init")
+    _fit_hf("llama", REENTRANT, 2, "init", accumulate=2)
+    _fit_hf("gpt2", REENTRANT, 2, "configure_model", dropout=0.1)
+    _fit_hf("gpt2", REENTRANT, 1, "init")
+    _fit_hf("bert", None, 1, "init")
+    _fit_hf("llama", REENTRANT, 1, "configure_model", peft=True)
+    _fit_hf("llama", REENTRANT, 2, "configure_model", peft=True)

@@ -14,7 +14,8 @@ running the same code on the same data (every parameter after several optimizer 
   rank's seed); plus the all-gathers each form costs.
 * Trainer: Hugging Face ``gradient_checkpointing_enable()`` (the installed transformers defaults to
   ``use_reentrant=False``; both are run) on Llama, GPT-2 and BERT under FSDP 2 and TP 2, called in
-  ``__init__`` or ``configure_model``; each run checks that the layers were recomputed.
+  ``__init__`` or ``configure_model`` (slow: also FSDP 2 x TP 2 on 4 ranks); each run checks that the layers
+  were recomputed.
 """
 
 from __future__ import annotations
@@ -357,9 +358,10 @@ def _hf_reference(family, dp, dropout, peft, accumulate):
 
 def _fit_hf(family, gc_kwargs, tp, where, dropout=0.0, peft=False, accumulate=1):
     module = _LitHFCheckpointed(family, gc_kwargs, where, dropout, peft)
+    world = dist.get_world_size()
     L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=world,
         strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp),
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
@@ -370,7 +372,7 @@ def _fit_hf(family, gc_kwargs, tp, where, dropout=0.0, peft=False, accumulate=1)
     ).fit(module)
     case = (family, gc_kwargs, f"tp={tp}", where, dropout, peft, accumulate)
     assert module.calls == 2 * STEPS * accumulate, (case, module.calls)  # each layer ran again in backward
-    ref = _hf_reference(family, 2 // tp, dropout, peft, accumulate)
+    ref = _hf_reference(family, world // tp, dropout, peft, accumulate)
     ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
     assert ours.keys() == ref.keys(), case
     worst = max((ours[k] - ref[k]).abs().max().item() for k in ref)
@@ -397,3 +399,10 @@ def test_more_hf_gradient_checkpointing_through_the_trainer():
     _fit_hf("bert", None, 1, "init")
     _fit_hf("llama", REENTRANT, 1, "configure_model", peft=True)
     _fit_hf("llama", REENTRANT, 2, "configure_model", peft=True)
+
+
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_hf_gradient_checkpointing_on_fsdp2_x_tp2():
+    _fit_hf("llama", REENTRANT, 2, "configure_model")
+    _fit_hf("gpt2", None, 2, "init")

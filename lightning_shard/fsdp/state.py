@@ -31,6 +31,7 @@ from torch.autograd import Variable
 from lightning_shard.fsdp.param_group import FSDPParamGroup
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy
 from lightning_shard.fsdp.training_state import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, TrainingState, UnitState
+from lightning_shard.sac import outside_sac
 
 
 class FSDPState:
@@ -115,6 +116,7 @@ class FSDPState:
         """Whether this call runs inside the same unit's own forward (the outer call's hooks do the work)."""
         return self.calls_running > 1 and self.unit.current is FORWARD
 
+    @outside_sac
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.summoned:
             return args, kwargs
@@ -133,9 +135,13 @@ class FSDPState:
             self.root.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
-            for state in self._forward_prefetch_targets():
-                if state.group is not None:
-                    state.group.start_unshard()
+            # A forward inside backward is a reentrant checkpoint's recompute: the units after this one in the
+            # forward order have finished their backward, so prefetching them would gather (and hold until the
+            # end of backward) parameters nothing reads; backward prefetch orders the recomputes instead.
+            if not _in_backward():
+                for state in self._forward_prefetch_targets():
+                    if state.group is not None:
+                        state.group.start_unshard()
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._mark_inputs_for_post_backward(args, kwargs)
@@ -172,6 +178,7 @@ class FSDPState:
             if group is not None and group.pending_all_gather is not None and not group.is_unsharded:
                 group.reshard()
 
+    @outside_sac
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if self.summoned:
             return output
@@ -180,13 +187,15 @@ class FSDPState:
         if self.unit.current is PRE_BACKWARD:  # the recomputation (activation checkpointing) returned
             self.unit.on("post_forward")
             return self._cast_output(output)
-        if self.is_root:
+        recompute = _in_backward()  # a reentrant checkpoint's recompute: this unit's backward runs next
+        if self.is_root and not recompute:
             self._drop_unused_prefetches()
         self._remove_regather_hooks()
         grad = torch.is_grad_enabled()
-        # The root's parameters would be all-gathered again right away for backward: keep them (as torch does).
-        # Without grad no backward comes, so always free them.
-        if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root)):
+        # The root's parameters would be all-gathered again right away for backward: keep them (as torch does),
+        # and so a recomputed unit's (torch reshards it and all-gathers again at its pre-backward). Without grad
+        # no backward comes, so always free them.
+        if self.group is not None and (not grad or (self.reshard_after_forward and not self.is_root and not recompute)):
             self.group.reshard(keep_post_forward_shard=grad)  # only kept with reshard_after_forward=<int>
         self.unit.on("post_forward")
         output = self._cast_output(output)
@@ -299,6 +308,7 @@ class FSDPState:
         self._remove_regather_hooks()
         self._regather_hooks = [m.register_forward_pre_hook(self._regather) for m in owners.values()]
 
+    @outside_sac
     def _regather(self, module: nn.Module, args: tuple) -> None:
         """A module holding this unit's parameters is called again inside the unit's forward: all-gather them."""
         self._remove_regather_hooks()

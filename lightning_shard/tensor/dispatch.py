@@ -193,6 +193,21 @@ def _like(out: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(out, spec, requires_grad=False)
 
 
+def _fsdp_hint(specs: list[DTensorSpec]) -> str:
+    """For the mixing error: a DTensor sharded over a ``data_parallel`` mesh dim met by a plain activation is,
+    in practice, a parameter that ``fully_shard`` never all-gathered because its module ran outside its unit."""
+    for spec in specs:
+        names = spec.mesh.mesh_dim_names or ()
+        if any(n == "data_parallel" and p.is_shard() for n, p in zip(names, spec.placements)):
+            return (
+                ". A DTensor sharded over 'data_parallel' here is usually a parameter still sharded by fully_shard: "
+                "its module ran outside the forward of its fully_shard unit, whose hooks all-gather it (e.g. "
+                "checkpoint_sequential over a fully_shard-ed nn.Sequential calls its children directly, as does a "
+                "forward calling a child of another unit). Call the unit itself, or fully_shard the children"
+            )
+    return ""
+
+
 def make_call(func, args: tuple, kwargs: dict) -> OpCall:
     """Collect the DTensor arguments of one op call and check them (same mesh, no non-scalar plain tensor)."""
     flat, tree = pytree.tree_flatten((args, kwargs))
@@ -212,7 +227,7 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                 raise RuntimeError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
-                    "DTensor.from_local() first (only tensors of one element may be mixed)"
+                    "DTensor.from_local() first (only tensors of one element may be mixed)" + _fsdp_hint(specs)
                 )
             # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate.
             flat[i] = DTensor(

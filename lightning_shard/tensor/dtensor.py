@@ -20,6 +20,7 @@ import torch
 
 from lightning_shard.device import same_storage
 from lightning_shard.mesh import DeviceMesh
+from lightning_shard.sac import outside_sac
 from lightning_shard.tensor._layout import check_placements, local_shape_and_offset
 from lightning_shard.tensor.placements import Placement, Replicate
 from lightning_shard.tensor.redistribute import redistribute_local
@@ -259,6 +260,7 @@ def _check_local_shapes(local: torch.Tensor, spec: DTensorSpec) -> None:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
+    @outside_sac  # the clone and the broadcast into it (run_check) are one unit for SAC
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec, run_check: bool) -> DTensor:
         ctx.spec = spec
         if run_check and any(p.is_replicate() for p in spec.placements):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_shard import comm
+from lightning_shard.sac import outside_sac
 from lightning_shard.tensor._layout import chunk_range, local_range, shard_order
 from lightning_shard.tensor.placements import Partial, Placement, Replicate, StridedShard
 from lightning_shard.tensor.spec import DTensorSpec
@@ -200,6 +201,7 @@ class _State:
 _CARRIERS = {torch.int16: torch.int32, torch.uint16: torch.int32}
 
 
+@outside_sac  # a buffer and the collective writing it in place: one unit, never saved or replayed by SAC
 def redistribute_local(
     local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement], *, compact: bool = True
 ) -> torch.Tensor:

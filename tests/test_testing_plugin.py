@@ -59,6 +59,7 @@ def test_factory_must_be_importable():
         run_parity(lambda: LitGPT())
 
 
+@pytest.mark.slow  # ~60 s (a pytest run in new processes); the plugin's other tests run by default
 def test_parity_and_broken_model_through_the_plugin(pytester):
     """``pytest -p strategies.testing``: the fixture passes for a correct model, fails for a rank-dependent
     loss, and RunIf skips GPU tests with Lightning's reason text."""

@@ -77,6 +77,16 @@ def train_reference(model: nn.Module, data, lr: float = 0.1, optim: str = "sgd")
     return model, losses
 
 
+def step_both(ref: nn.Module, ref_opt, model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One optimizer step of the single-process reference on the whole batch and one of the data-parallel
+    ``model`` on this rank's part of it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for m, o, xs, ys in ((ref, ref_opt, x, y), (model, opt, rank_slice(x, rank, world), rank_slice(y, rank, world))):
+        o.zero_grad()
+        loss_fn(m, xs, ys).backward()
+        o.step()
+
+
 def make_optimizer(model: nn.Module, lr: float, optim: str):
     params = [p for p in model.parameters() if p.requires_grad]
     if optim == "sgd":

@@ -7,7 +7,7 @@ from lightning_shard import init_device_mesh
 from lightning_shard.fsdp import fully_shard
 from lightning_shard.tensor import Replicate, Shard, distribute_tensor, fallback_counts, reset_fallback_counts
 from lightning_shard.tensor.ops import foreach as foreach_mod
-from tests.fsdp_models import batches, loss_fn, make_model
+from tests.fsdp_models import batches, loss_fn, make_model, step_both
 from tests.harness import distributed
 
 SHAPES = [(7, 5), (3,), (1, 4), (6, 2)]  # uneven rows; (1, 4) leaves rank 1 an empty shard
@@ -177,15 +177,9 @@ def test_fully_sharded_gpt_fused_adamw_matches_single_process():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    rank = torch.distributed.get_rank()
     reset_fallback_counts()
     for x, y in batches(3, 4):
-        ref_opt.zero_grad()
-        loss_fn(ref, x, y).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        loss_fn(model, x.chunk(2)[rank], y.chunk(2)[rank]).backward()
-        opt.step()
+        step_both(ref, ref_opt, model, opt, x, y)
     assert fallback_counts() == {}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)

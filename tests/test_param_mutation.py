@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from lightning_shard import init_device_mesh
 from lightning_shard.fsdp import fully_shard
-from tests.fsdp_models import batches, full_state, loss_fn, make_model, max_diff
+from tests.fsdp_models import batches, full_state, make_model, max_diff, step_both
 from tests.harness import distributed
 
 CHANGES = {
@@ -33,7 +33,6 @@ def _shard(model):
 
 @distributed(world_size=2)
 def test_parameter_changes_between_steps_train_like_one_process():
-    rank = dist.get_rank()
     for name, change in CHANGES.items():
         ref, model = make_model(), _shard(make_model())
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -43,12 +42,7 @@ def test_parameter_changes_between_steps_train_like_one_process():
                 with torch.no_grad():
                     change(ref)
                     change(model)
-            ref_opt.zero_grad()
-            loss_fn(ref, x, y).backward()
-            ref_opt.step()
-            opt.zero_grad()
-            loss_fn(model, x.chunk(2)[rank], y.chunk(2)[rank]).backward()
-            opt.step()
+            step_both(ref, ref_opt, model, opt, x, y)
         assert max_diff(full_state(model), full_state(ref)) < 1e-6, name
 
 

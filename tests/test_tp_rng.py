@@ -30,6 +30,7 @@ import strategies
 from tests import tp_models
 from tests.harness import distributed
 from tests.lightning_models import VOCAB, dataset, sampler_batches
+from tests.test_strategy import _trainer as shared_trainer
 
 P = 0.2
 
@@ -136,18 +137,8 @@ class LitDrop(L.LightningModule):
 
 
 def _trainer(steps: int = 3, tp: int = 2, **strategy_kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp, **strategy_kwargs),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp, **strategy_kwargs)
+    return shared_trainer(strategy=strategy, max_steps=steps)
 
 
 def _reference(steps: int, sharded: bool = False, rank0_draws: bool = False, loader_draw: bool = True):

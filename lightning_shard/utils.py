@@ -71,14 +71,18 @@ def clip_grad_norm_(
     return total
 
 
-def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
-    """The global p-norm of ``grads``: per-tensor local terms, one all-reduce per group of ranks to sum over."""
-    op = "max" if p == math.inf else "min" if p == -math.inf else "sum"
-    device = (grads[0]._local_tensor if isinstance(grads[0], DTensor) else grads[0]).device
+def _norm_op(p: float) -> str:
+    return "max" if p == math.inf else "min" if p == -math.inf else "sum"
+
+
+def _grouped_local_terms(grads: list[torch.Tensor], p: float) -> dict:
+    """Each gradient's local term of the p-norm (``_local_term``), grouped by the ranks it must be reduced over:
+    ``{ranks or None: (process group or None, [index into grads], [local term])}``. A ``Partial`` gradient is
+    reduced first (one all-reduce each); a sharded one is grouped by its mesh and sharded mesh dims; a replicated
+    or plain one needs no reduction (key None)."""
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    # key: ranks to reduce over (None: nothing to reduce) -> (group, local terms)
-    terms: dict[tuple | None, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
-    for g in grads:
+    terms: dict[tuple | None, tuple[dist.ProcessGroup | None, list[int], list[torch.Tensor]]] = {}
+    for i, g in enumerate(grads):
         key, group, local = None, None, g
         if isinstance(g, DTensor):
             if g._spec.has_partial():
@@ -86,20 +90,32 @@ def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
                 target = tuple(Replicate() if pl.is_partial() else pl for pl in g.placements)
                 g = g.redistribute(g.device_mesh, target)
             local = g._local_tensor
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            dims = tuple(d for d, pl in enumerate(g.placements) if pl.is_shard())
             if dims:
                 key, group = _group_over(g.device_mesh, dims)
-        terms.setdefault(key, (group, []))[1].append(_local_term(local.to(dtype), p))
+        entry = terms.setdefault(key, (group, [], []))
+        entry[1].append(i)
+        entry[2].append(_local_term(local.to(dtype), p))
+    return terms
+
+
+def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
+    """The global p-norm of ``grads``: per-tensor local terms, one all-reduce per group of ranks to sum over."""
+    op = _norm_op(p)
+    device = (grads[0]._local_tensor if isinstance(grads[0], DTensor) else grads[0]).device
     partials = []
-    for group, values in terms.values():
+    for group, _, values in _grouped_local_terms(grads, p).values():
         value = _combine(torch.stack(values).to(device), op)
         if group is not None:
             comm.all_reduce(value, group, op)
         partials.append(value)
     total = _combine(torch.stack(partials), op)
-    if op != "sum" or p == 0:
-        return total
-    return total.pow(1.0 / p)
+    return _root(total, p)
+
+
+def _root(term: torch.Tensor, p: float) -> torch.Tensor:
+    """A norm from its term: the p-th root of a sum of p-th powers (the 0- and inf-norms' terms are the norm)."""
+    return term if _norm_op(p) != "sum" or p == 0 else term.pow(1.0 / p)
 
 
 def _local_term(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -167,8 +183,9 @@ def grad_norm(
 
     Lightning's own ``grad_norm`` cannot read DTensor gradients (nor torch's): it builds the total with
     ``torch.tensor(list of norms)``, which copies each element's storage, and a DTensor has none ("The tensor
-    has a non-zero number of elements, but its data is not allocated yet"). A parameter's norm costs one
-    all-reduce for a sharded gradient, none for a replicated or plain one.
+    has a non-zero number of elements, but its data is not allocated yet"). The sharded gradients' local terms
+    are reduced as ``clip_grad_norm_``'s: one all-reduce per group of ranks (a mesh and its sharded dims), whatever
+    the number of parameters; replicated and plain gradients need none.
 
     Example::
 
@@ -178,14 +195,21 @@ def grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"grad_norm: norm_type must be a positive number or 'inf' (infinity norm); got {norm_type}")
-    norms = {}
-    for name, p in module.named_parameters():
-        if p.grad is None:
-            continue
-        norm = p.grad.norm(norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norms[f"grad_{norm_type}_norm{group_separator}{name}"] = norm.detach()
-    if norms:
-        norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    grads = [g for _, g in named]
+    device = (grads[0]._local_tensor if isinstance(grads[0], DTensor) else grads[0]).device
+    terms = [None] * len(grads)
+    for group, indices, values in _grouped_local_terms(grads, norm_type).values():
+        reduced = torch.stack(values).to(device)
+        if group is not None:
+            comm.all_reduce(reduced, group, _norm_op(norm_type))
+        for i, value in zip(indices, reduced.unbind(0)):
+            terms[i] = value
+    norms = {
+        f"grad_{norm_type}_norm{group_separator}{name}": _root(term, norm_type).to(g.dtype)
+        for (name, g), term in zip(named, terms)
+    }
+    norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
     return norms

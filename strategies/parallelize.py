@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -220,8 +221,9 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
                 m._buffers[key] = kept_buffers[(id(m), key)]
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
+    fresh = {id(params[name]) for name in meta_params} | {id(buffers[name]) for name in meta_buffers}
     if not has_data(_local(params[next(iter(meta_params))]) if meta_params else buffers[next(iter(meta_buffers))]):
-        _reset_parameters_from_rank_0(model, device)  # the simulator's fake tensors: no values to fill or check
+        _reset_parameters_from_rank_0(model, device, fresh)  # the simulator's fake tensors: no values to fill or check
         return None
     with torch.no_grad():
         for name in meta_params:
@@ -229,7 +231,7 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
         for name in meta_buffers:
             _fill_marker(buffers[name])
     versions = {name: buffers[name]._version for name in meta_buffers}
-    _reset_parameters_from_rank_0(model, device)
+    _reset_parameters_from_rank_0(model, device, fresh)
     with torch.no_grad():
         for name, value in kept_params.items():
             _local(params[name]).copy_(value)
@@ -242,7 +244,9 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
     return unset
 
 
-def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device) -> None:
+def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device, fresh: set[int]) -> None:
+    """Run every module's ``reset_parameters()``, then Hugging Face models' own initialisation of the tensors in
+    ``fresh`` (ids of those just materialised from meta), all from rank 0's RNG states."""
     handle = handle_for(device)
     states = [torch.get_rng_state(), handle.get_rng_state()]
     synced = comm.broadcast_object(states, src=0)
@@ -250,15 +254,90 @@ def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device) -> Non
     if synced[1] is not None:
         handle.set_rng_state(synced[1])
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _padding_rows_zeroed_on_shards(model):
             for m in model.modules():
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
                     reset()
+            for hf_model in _outermost_hugging_face_models(model):
+                _hugging_face_initialize(hf_model, fresh)
     finally:
         torch.set_rng_state(states[0])
         if states[1] is not None:
             handle.set_rng_state(states[1])
+
+
+@contextmanager
+def _padding_rows_zeroed_on_shards(model: nn.Module) -> Iterator[None]:
+    """Inside, embeddings whose weight is sharded along its rows have no ``padding_idx``; on exit it is put back
+    and its row is zeroed in the shard that holds it.
+
+    Why: ``nn.Embedding.reset_parameters`` and Hugging Face's ``_init_weights`` zero the padding row through
+    ``weight[padding_idx]``, a select along the sharded dim, which the DTensor computes as a gathered copy (a
+    write into it would be lost, so it raises). The row is written where it lives instead.
+    """
+    sharded = [
+        (m, m.padding_idx)
+        for m in model.modules()
+        if isinstance(m, nn.Embedding)
+        and m.padding_idx is not None
+        and isinstance(m.weight, DTensor)
+        and any(p.is_shard(0) for p in m.weight.placements)
+    ]
+    for m, _ in sharded:
+        m.padding_idx = None
+    try:
+        yield
+    finally:
+        for m, row in sharded:
+            m.padding_idx = row
+            spec = m.weight._spec
+            local_row = row - spec.local_offset[0]
+            if 0 <= local_row < spec.local_shape[0]:
+                with torch.no_grad():
+                    m.weight._local_tensor[local_row].zero_()
+
+
+def _outermost_hugging_face_models(model: nn.Module) -> list[nn.Module]:
+    """The ``transformers.PreTrainedModel`` instances in ``model`` that no other one contains (none if
+    transformers was never imported: nothing can be one)."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if pretrained is None:
+        return []
+    found: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        if isinstance(m, pretrained):
+            found.append(m)
+        else:
+            for child in m.children():
+                walk(child)
+
+    walk(model)
+    return found
+
+
+def _hugging_face_initialize(hf_model: nn.Module, fresh: set[int]) -> None:
+    """Run the model's own weight initialisation (``_init_weights``: ``normal_(std=initializer_range)`` for
+    Linear and Embedding weights, ones for norms, zero biases, recomputed rotary tables, ...) on the tensors
+    that were built on meta, as ``from_config`` would have done on a real device.
+
+    Why: under ``empty_init`` Hugging Face's ``post_init`` ran on meta tensors (no values) and flagged every
+    module ``_is_hf_initialized``; ``reset_parameters()`` alone gives torch's defaults instead (an embedding
+    drawn from N(0, 1), 50x Hugging Face's 0.02) and leaves norms without one unset. The module flags are
+    cleared so the initialisation runs again; tensors not in ``fresh`` (not built on meta) are flagged as
+    initialised and keep their values, which is how transformers itself skips loaded weights.
+    """
+    initialize = getattr(hf_model, "initialize_weights", None)
+    if not callable(initialize):
+        return
+    for sub in hf_model.modules():
+        sub.__dict__.pop("_is_hf_initialized", None)
+        for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]:
+            if t is not None and id(t) not in fresh:
+                t._is_hf_initialized = True
+    initialize()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

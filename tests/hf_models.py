@@ -322,12 +322,24 @@ def lit_hf(family: str, lr: float = 0.1, per_rank_batch: int = 2, save_dir: str 
     return LitHF()
 
 
-def reference_params(family: str, steps: int, world: int = 2, lr: float = 0.1, per_rank_batch: int = 2):
+def reference_params(
+    family: str,
+    steps: int,
+    world: int = 2,
+    lr: float = 0.1,
+    per_rank_batch: int = 2,
+    initial: dict[str, torch.Tensor] | None = None,
+):
     """One process, the same global batches as ``world`` data-parallel ranks of ``lit_hf(family)`` see under
-    Lightning's DistributedSampler: ``{fqn: tensor}`` after ``steps`` SGD steps."""
+    Lightning's DistributedSampler: ``{fqn: tensor}`` after ``steps`` SGD steps (from the parameter values
+    ``initial`` when given, else from ``build(family)``'s)."""
     from tests.lightning_models import sampler_batches
 
     model = build(family)
+    if initial is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(initial[name])
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     data = token_dataset()
     n = len(data)

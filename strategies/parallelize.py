@@ -173,7 +173,7 @@ def parameters_on_meta() -> Iterator[None]:
     original = nn.Module.register_parameter
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta and not _loads(module, name):
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
@@ -182,6 +182,14 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
+
+
+def _loads(module: nn.Module, name: str) -> bool:
+    """Whether registering ``name`` on ``module`` replaces a meta parameter: loading values into a model built on
+    meta (transformers' ``from_pretrained`` builds on meta, then assigns the checkpoint's tensors), which must
+    keep them, not construction (a module's ``__init__`` registers each parameter once)."""
+    existing = module._parameters.get(name)
+    return existing is not None and existing.is_meta
 
 
 def materialize(model: nn.Module, device: torch.device) -> list[str] | None:

@@ -8,9 +8,10 @@ Crash-safety protocol of ``save(state, path)`` (every rank calls it; ``path`` on
 2. The digests are gathered on rank 0 (also a barrier: every rank has finished writing and fsynced).
 3. Rank 0 writes the completion marker ``.lightning_shard_complete`` (JSON, with every entry's and file's
    checksum) last, fsyncs it, then publishes:
-   if ``path`` exists it is renamed to ``<path>.old-<id>``, the temp dir is renamed to ``path``
-   (``os.replace``, atomic on POSIX), the old one deleted. Stale ``<path>.tmp-*`` / ``<path>.old-*`` left by
-   crashed saves are deleted after a successful publish.
+   if ``path`` exists, the temp dir and ``path`` swap names in one atomic step (Linux ``renameat2`` with
+   ``RENAME_EXCHANGE``) and the temp dir, now the old checkpoint, is deleted; where the filesystem cannot swap,
+   ``path`` is renamed to ``<path>.old-<id>``, the temp dir to ``path`` (``os.replace``), the old one deleted.
+   Stale ``<path>.tmp-*`` / ``<path>.old-*`` left by crashed saves are deleted after a successful publish.
 4. Rank 0 broadcasts the outcome: when ``save`` returns, ``path`` is the new checkpoint on every rank.
 
 Any failure (a full disk, an I/O error, a rank's exception) removes the temp dir on every path out and raises an
@@ -19,9 +20,10 @@ Any failure (a full disk, an I/O error, a rank's exception) removes the temp dir
 ``load`` reads everything into new tensors first, verifying each entry's checksum, and copies into the caller's
 tensors only once every rank has read everything: a failed load leaves the model and optimizer untouched.
 
-A crash before step 3 leaves ``path`` untouched (the temp dir has no marker and is never loaded). The only
-window where ``path`` does not exist is between the two renames of step 3 (two metadata operations on rank 0);
-a crash there leaves the previous checkpoint complete at ``<path>.old-<id>`` and ``load(path)`` says so.
+A crash before step 3 leaves ``path`` untouched (the temp dir has no marker and is never loaded). With the
+atomic swap ``path`` always holds a complete checkpoint, the previous or the new one. Only where the swap is not
+available is there a window without ``path``, between the two renames (two metadata operations on rank 0); a
+crash there leaves the previous checkpoint complete at ``<path>.old-<id>`` and ``load(path)`` says so.
 
 Example::
 
@@ -35,11 +37,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import errno
+import functools
 import glob
 import json
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -229,9 +235,41 @@ def _write_marker(tmp: str, ckpt_id: str, entries: dict[str, str], files: dict[s
     _fsync_dir(tmp)
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(..., RENAME_EXCHANGE)``): at every
+    moment each name holds one of the two complete directories. False where the system or the filesystem cannot
+    (another OS, an old kernel or libc, some network filesystems): the caller then renames twice.
+
+    Example: ``_exchange("ckpt.tmp-1a2b", "ckpt")`` -> ``ckpt`` is the new checkpoint, ``ckpt.tmp-1a2b`` the old.
+    """
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
 def _publish(tmp: str, path: str, ckpt_id: str) -> None:
     old = f"{path}.old-{ckpt_id}"
-    if os.path.exists(path):
+    if os.path.exists(path) and _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint (a crash here leaves it as stale)
+    elif os.path.exists(path):
         os.replace(path, old)  # window opens: `path` is missing, `old` is complete
         try:
             os.replace(tmp, path)  # window closes

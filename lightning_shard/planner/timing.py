@@ -64,11 +64,12 @@ GiB = 2**30
 # Sources: NVIDIA H100 / A100 datasheets (dense bf16 and fp32 peaks, NVLink 900 / 600 GB/s bidirectional per
 # GPU, i.e. 450 / 300 GB/s each way, of which NCCL reaches about 80%); inter-node 400 Gb/s (H100, torchtitan's
 # Grand Teton hosts) and 200 Gb/s (A100 HDR) per GPU at about 80%. matmul_efficiency: the best bf16 MFU the
-# Llama 3 paper reports on H100 (43%, arXiv 2407.21783 Table 4) and Megatron-LM's on A100 (52%, arXiv
-# 2104.04473); both are whole-step figures, used here as the ceiling of the compute alone.
+# Llama 3 paper reports on H100 (43%, arXiv 2407.21783 Table 4) and Megatron-LM's best on A100 (54.2%, the 530B
+# model with sequence parallelism and selective recomputation, arXiv 2205.05198; 52% in arXiv 2104.04473); both
+# are whole-step figures, used here as the ceiling of the compute alone.
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GiB, 360e9, 40e9, 3.35e12, 0.43),
-    "a100": Device("A100 SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB, 240e9, 20e9, 2.0e12, 0.52),
+    "a100": Device("A100 SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB, 240e9, 20e9, 2.0e12, 0.542),
     # a server CPU socket as one "device" (gloo over shared memory / Ethernet); rough, for relative plans only
     "cpu": Device("CPU (one socket)", {"bf16": 1e12, "fp32": 1e12}, 256 * GiB, 10e9, 1.25e9, 100e9, 0.5, 50e-6),
 }

@@ -649,6 +649,48 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 
+    # Lightning's predict sampler (UnrepeatedDistributedSampler) deals the samples without padding, so with
+    # 17 samples and a batch of 4 one data-parallel rank runs 3 batches and the other 2: the third batch's FSDP
+    # all-gather then pairs with nothing (gloo: a collective-mismatch crash; NCCL: a hang). DDP survives this
+    # (no collectives in an eval forward), a sharded model cannot. Validation and test pad through
+    # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._check_batch_counts_alike("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._check_batch_counts_alike("test", self.lightning_module.trainer._evaluation_loop.max_batches)
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._check_batch_counts_alike("predict", self.lightning_module.trainer.predict_loop.max_batches)
+
+    def _check_batch_counts_alike(self, loop: str, counts: list) -> None:
+        """Raise on every rank, before the first batch, unless every rank runs the same number of batches in
+        each of ``loop``'s dataloaders (a length-less iterable counts as unknown and is not checked)."""
+        if self.world_size == 1:
+            return
+        counts = [int(c) if math.isfinite(c) else None for c in counts]
+        every = comm.all_gather_objects(counts)
+        if all(c == every[0] for c in every):
+            return
+        longest = max(len(ranks) for ranks in every)
+        unequal = [i for i in range(longest) if len({ranks[i] if i < len(ranks) else None for ranks in every}) > 1]
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(every))
+        hint = (
+            "Lightning's predict sampler splits the samples without padding; make the dataset length a multiple of "
+            f"{self.distributed_sampler_kwargs['num_replicas']} x the batch size (pad it, then drop the padded "
+            "predictions), or run predict on one device"
+            if loop == "predict"
+            else "give every rank the same number of batches (Lightning's DistributedSampler pads to equal them)"
+        )
+        raise RuntimeError(
+            f"shard_fsdp_tp: the {loop} dataloader(s) {unequal} give the ranks different numbers of batches "
+            f"({per_rank}); a sharded model's forward runs collectives on every rank, so the rank with more "
+            f"batches would wait for the others forever (or crash on a collective mismatch). {hint}"
+        )
+
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)

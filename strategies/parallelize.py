@@ -165,23 +165,68 @@ def parameters_on_meta() -> Iterator[None]:
 
     A parameter registered a second time (a tied weight) is already on meta and stays the same object.
 
+    Hugging Face's ``resize_token_embeddings`` on a model whose embeddings hold values (loaded by
+    ``from_pretrained``) builds its new embedding and head on the host: it copies the old rows into them and
+    assigns ``old.weight.data = new.weight.data``, which needs real tensors (on meta, the head's copied rows were
+    dropped, and the embedding's assignment failed with "incompatible tensor type").
+
     Example::
 
         with parameters_on_meta():
             model = MyModel()          # parameters on meta, buffers on the host
     """
     original = nn.Module.register_parameter
+    kept_real = [0]  # > 0 inside a resize of real embeddings: new parameters stay on the host
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and type(param) is nn.Parameter and not param.is_meta and not _loads(module, name):
+        if (
+            param is not None
+            and type(param) is nn.Parameter
+            and not param.is_meta
+            and not _loads(module, name)
+            and not kept_real[0]
+        ):
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
     nn.Module.register_parameter = register_parameter
+    restore = _resize_keeps_real_embeddings(kept_real)
     try:
         yield
     finally:
         nn.Module.register_parameter = original
+        restore()
+
+
+def _resize_keeps_real_embeddings(kept_real: list[int]) -> Callable[[], None]:
+    """Wrap transformers' ``PreTrainedModel.resize_token_embeddings`` (when transformers is imported) so that
+    resizing embeddings that hold values builds the new ones on the host (``kept_real[0] > 0`` meanwhile); returns
+    the function that unwraps it. Embeddings on meta (a model built from its config) are resized on meta, without
+    ``mean_resizing`` (it needs the old rows' values)."""
+    if "transformers" not in sys.modules:
+        return lambda: None  # no Hugging Face model can be built without importing transformers first
+    try:  # transformers imports its modules lazily: the model may be built, and resized, inside the context
+        from transformers.modeling_utils import PreTrainedModel as cls
+    except ImportError:
+        return lambda: None
+    if "resize_token_embeddings" not in cls.__dict__:
+        return lambda: None
+    original = cls.__dict__["resize_token_embeddings"]
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        weight = getattr(self.get_input_embeddings(), "weight", None)
+        real = weight is not None and not weight.is_meta
+        if not real:  # transformers' mean resizing samples from the old rows' covariance: no values on meta.
+            # The new rows are initialised with the rest after sharding (transformers' _init_weights).
+            args, kwargs = args[:2], {**kwargs, "mean_resizing": False}
+        kept_real[0] += real
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            kept_real[0] -= real
+
+    cls.resize_token_embeddings = resize_token_embeddings
+    return lambda: setattr(cls, "resize_token_embeddings", original)
 
 
 def _loads(module: nn.Module, name: str) -> bool:

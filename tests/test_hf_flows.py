@@ -1,0 +1,167 @@
+"""Hugging Face fine-tuning flows through ``Trainer(strategy="shard_fsdp_tp")``, each compared with one process on
+the same global batches (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies
+from tests import hf_models as H
+from tests.harness import distributed
+from tests.lightning_models import sampler_batches
+from tests.test_strategy import _trainer
+from tests.test_strategy_checkpoint import _shared_path
+
+pytest.importorskip("transformers")
+
+STEPS, LR, LABELS = 2, 0.1, 3
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _cls_dataset(n: int = 32, seq: int = 8):
+    g = torch.Generator().manual_seed(2)
+    return TensorDataset(H.token_batch(n, seq, seed=1), torch.randint(0, LABELS, (n,), generator=g))
+
+
+def _cls_loss(model, batch):
+    ids, labels = batch
+    return model(input_ids=ids, labels=labels).loss
+
+
+class _Lit(L.LightningModule):
+    def __init__(self, make, loss=_cls_loss, data=_cls_dataset) -> None:
+        super().__init__()
+        self.model = make()
+        self._loss, self._data = loss, data
+
+    def on_train_start(self):  # the values the run starts from, gathered (the same on every rank)
+        self.initial = {n: _full(p).clone() for n, p in self.model.named_parameters()}
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(self.model, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(self._data(), batch_size=2, shuffle=False)
+
+
+def _reference(make, initial, world, loss=_cls_loss, data=_cls_dataset, steps=STEPS):
+    model = make()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(initial[n])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+    rows = data()
+    for idx in sampler_batches(world, 2, n=len(rows))[:steps]:
+        opt.zero_grad()
+        loss(model, rows[idx]).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _fit(make, tp=1, empty_init=False, **kw):
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp), max_steps=STEPS)
+    if empty_init:
+        with trainer.init_module(empty_init=True):
+            module = _Lit(make, **kw)
+    else:
+        module = _Lit(make, **kw)
+    trainer.fit(module)
+    return module
+
+
+def _worst(module, ref):
+    ours = {n: _full(p) for n, p in module.model.named_parameters()}
+    assert ours.keys() == ref.keys()
+    return max((ours[n] - ref[n]).abs().max().item() for n in ref)
+
+
+def _save_base(tmp_path, family, seed=3):
+    saved = H.build(family, seed=seed)
+    if family == "llama":
+        saved.config.pad_token_id = 0
+    path = _shared_path(tmp_path, family)
+    if dist.get_rank() == 0:
+        saved.save_pretrained(path)
+    dist.barrier()
+    return saved, path
+
+
+@pytest.mark.parametrize(("family", "tp", "empty_init"), [("llama", 1, False), ("llama", 1, True), ("bert", 2, True)])
+@distributed(world_size=2)
+def test_classifier_from_a_saved_base_model(tmp_path, family, tp, empty_init):
+    from transformers import AutoModelForSequenceClassification
+
+    saved, path = _save_base(tmp_path, family)
+
+    def make():
+        torch.manual_seed(11)
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=LABELS)
+
+    module = _fit(make, tp=tp, empty_init=empty_init)
+    base = dict(saved.named_parameters())
+    one = dict(make().named_parameters())  # one process: the base model's weights, and a head transformers drew
+    assert module.initial.keys() == one.keys()
+    assert sum(name in base for name in one) > 5 and any(name not in base for name in one)
+    for name, value in one.items():
+        assert torch.equal(module.initial[name], value), name
+        if name in base:
+            assert torch.equal(value, base[name]), name
+    ref = _reference(make, module.initial, world=2 // tp)
+    assert _worst(module, ref) < 1e-5
+
+
+def _lm_loss(model, batch):
+    return H.lm_loss(model, batch[0])
+
+
+@pytest.mark.parametrize(("family", "tp", "empty_init"), [("qwen2", 1, False), ("llama", 1, True), ("qwen2", 2, True)])
+@distributed(world_size=2)
+def test_resize_token_embeddings_after_from_pretrained(tmp_path, family, tp, empty_init):
+    from transformers import AutoModelForCausalLM
+
+    saved, path = _save_base(tmp_path, family)
+
+    def make():
+        torch.manual_seed(11)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.resize_token_embeddings(H.VOCAB + 8)
+        return model
+
+    module = _fit(make, tp=tp, empty_init=empty_init, loss=_lm_loss, data=H.token_dataset)
+    one = make()
+    emb = one.get_input_embeddings().weight
+    got = module.initial[[n for n, p in one.named_parameters() if p is emb][0]]
+    assert torch.equal(got[: H.VOCAB], saved.get_input_embeddings().weight), "old rows"
+    assert torch.equal(got, emb), "new rows: transformers' mean resizing, as in one process"
+    for name, value in saved.named_parameters():
+        if value.shape == module.initial[name].shape:
+            assert torch.equal(module.initial[name], value), name
+    if family == "qwen2":
+        assert module.model.lm_head.weight is module.model.get_input_embeddings().weight
+    ref = _reference(make, module.initial, world=2 // tp, loss=_lm_loss, data=H.token_dataset)
+    assert _worst(module, ref) < 1e-5
+
+
+@distributed(world_size=2)
+def test_resize_token_embeddings_of_a_model_built_on_meta():
+    def make():
+        model = H.build("qwen2")
+        model.resize_token_embeddings(H.VOCAB + 8)  # mean resizing by default: it needs values, meta has none
+        return model
+
+    module = _fit(make, empty_init=True, loss=_lm_loss, data=H.token_dataset)
+    emb = module.initial["model.embed_tokens.weight"]
+    assert emb.shape == (H.VOCAB + 8, H.HIDDEN) and torch.isfinite(emb).all()
+    assert 0.8 < emb.std().item() / H.build("qwen2").config.initializer_range < 1.25
+    ref = _reference(make, module.initial, world=2, loss=_lm_loss, data=H.token_dataset)
+    assert _worst(module, ref) < 1e-5

@@ -23,7 +23,15 @@ from torch import nn
 
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data
-from lightning_shard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from lightning_shard.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    built_on_meta,
+    fully_shard,
+)
+from lightning_shard.fsdp.param import BUILT_ON_META
 from lightning_shard.fsdp.units import SharedSplit, find_repeated_blocks, split_shared_params
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
@@ -254,7 +262,8 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
     checkpoint loaded before the first step may still fill it; ``check_initialised`` then raises for what is
     left, on every rank, instead of training on it.
     """
-    meta_params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    # fully_shard gives a meta parameter real storage (no value) when its group also holds real ones, and flags it
+    meta_params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta or built_on_meta(p)}
     meta_buffers = {name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
     if not meta_params and not meta_buffers:
         return None
@@ -288,6 +297,8 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
     with torch.no_grad():
         for name, value in kept_params.items():
             _local(params[name]).copy_(value)
+    for name in meta_params:
+        params[name].__dict__.pop(BUILT_ON_META, None)  # initialised now (or reported below)
     unset = [name for name in sorted(meta_params) if _holds_marker(_local(params[name]))]
     for name in sorted(meta_buffers):
         buf = buffers[name]
@@ -314,6 +325,7 @@ def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device, fresh:
                     reset()
             for hf_model in _outermost_hugging_face_models(model):
                 _hugging_face_initialize(hf_model, fresh)
+            _peft_lora_initialize(model, fresh)  # after transformers', which also reaches the adapters' Linears
     finally:
         torch.set_rng_state(states[0])
         if states[1] is not None:
@@ -391,6 +403,54 @@ def _hugging_face_initialize(hf_model: nn.Module, fresh: set[int]) -> None:
             if t is not None and id(t) not in fresh:
                 t._is_hf_initialized = True
     initialize()
+
+
+# What peft's reset_lora_parameters (or nn.Linear's own initialisation) draws: no values needed.
+_LORA_INITS = (True, False, "gaussian")
+
+
+def _peft_lora_initialize(model: nn.Module, fresh: set[int]) -> None:
+    """Give peft's LoRA adapters built on meta the initialisation peft gives them (``init_lora_weights``: by default
+    A Kaiming-uniform and B zero, so that the adapted model starts equal to the base model).
+
+    Why: under ``empty_init``, ``get_peft_model`` on a loaded model builds the adapters on meta, and peft's own
+    initialisation ran on tensors without values; the adapters' Linears then got ``reset_parameters()`` and
+    transformers' ``_init_weights`` (B drawn from N(0, 0.02): the model no longer started from the checkpoint's
+    function, without an error). Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, ...)
+    cannot run on meta: they raise, naming the adapter and the fix.
+    """
+    configs: dict[str, object] = {}
+    for m in model.modules():
+        found = getattr(m, "peft_config", None)
+        if isinstance(found, dict):
+            for name, config in found.items():
+                configs.setdefault(name, config)
+    for m in model.modules():
+        if not callable(getattr(m, "reset_lora_parameters", None)):
+            continue
+        tables = [getattr(m, key, {}) for key in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")]
+        for adapter in sorted({a for table in tables for a in table}):
+            tensors = [t for table in tables if adapter in table for t in _tensors_of(table[adapter])]
+            if not any(id(t) in fresh for t in tensors):
+                continue
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if (init.lower() if isinstance(init, str) else init) not in _LORA_INITS:
+                raise ValueError(
+                    f"shard_fsdp_tp: the LoRA adapter {adapter!r} was built on the meta device (empty_init=True) "
+                    f"with init_lora_weights={init!r}, which peft computes from the base weights; it cannot be "
+                    "computed after sharding. Call get_peft_model outside Trainer.init_module(empty_init=True), "
+                    "or use init_lora_weights=True / 'gaussian' / False"
+                )
+            if init is False:  # peft leaves the Linears' own initialisation (transformers' replaced it above)
+                for table in tables[:2]:
+                    if adapter in table:
+                        table[adapter].reset_parameters()
+            else:
+                m.reset_lora_parameters(adapter, init)
+
+
+def _tensors_of(entry: nn.Module | torch.Tensor) -> list[torch.Tensor]:
+    return [entry] if isinstance(entry, torch.Tensor) else list(entry.parameters())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

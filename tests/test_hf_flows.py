@@ -165,3 +165,65 @@ def test_resize_token_embeddings_of_a_model_built_on_meta():
     assert 0.8 < emb.std().item() / H.build("qwen2").config.initializer_range < 1.25
     ref = _reference(make, module.initial, world=2, loss=_lm_loss, data=H.token_dataset)
     assert _worst(module, ref) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_peft_lora_on_from_pretrained_under_empty_init(tmp_path, tp):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    saved, path = _save_base(tmp_path, "llama")
+
+    def make():
+        torch.manual_seed(11)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
+
+    module = _fit(make, tp=tp, empty_init=True, loss=_lm_loss, data=H.token_dataset)
+    one = dict(make().named_parameters())  # one process: peft's initialisation (B = 0, A Kaiming-uniform)
+    assert module.initial.keys() == one.keys()
+    for name, value in one.items():
+        got = module.initial[name]
+        if "lora_A" in name:
+            assert 0.8 < got.std().item() / value.std().item() < 1.25, name
+            assert got.abs().max() <= value.abs().max() * 1.01 + 1e-3, name  # uniform: the same bound
+        else:
+            assert torch.equal(got, value), name  # the checkpoint's base weights, B = 0
+    ref = _reference(make, module.initial, world=2 // tp, loss=_lm_loss, data=H.token_dataset)
+    assert _worst(module, ref) < 1e-5
+
+
+class _Head(torch.nn.Module):
+    """A classifier on a Hugging Face backbone: the head registered first, so the LightningModule's FSDP group (the
+    root's leftovers) starts with the head (built on meta under empty_init), then the loaded embedding and norm."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        torch.manual_seed(11)
+        self.head = torch.nn.Linear(H.HIDDEN, LABELS)
+        self.backbone = AutoModel.from_pretrained(path)
+
+    def forward(self, input_ids, labels):
+        hidden = self.backbone(input_ids=input_ids).last_hidden_state[:, -1]
+        return torch.nn.functional.cross_entropy(self.head(hidden), labels)
+
+
+@distributed(world_size=2)
+def test_new_module_under_empty_init_next_to_loaded_weights(tmp_path):
+    from lightning_shard.fsdp import built_on_meta
+
+    saved, path = _save_base(tmp_path, "llama")
+    module = _fit(lambda: _Head(path), empty_init=True, loss=lambda model, batch: model(*batch))
+    assert not any(built_on_meta(p) for p in module.parameters())
+    one = dict(_Head(path).named_parameters())  # one process: nn.Linear's own initialisation, the saved backbone
+    for name, value in saved.model.named_parameters():
+        assert torch.equal(module.initial[f"backbone.{name}"], value), name
+    for name in ("head.weight", "head.bias"):
+        ratio = module.initial[name].std().item() / one[name].std().item()
+        assert 0.7 < ratio < 1.4, (name, ratio)
+    ref = _reference(lambda: _Head(path), module.initial, world=2, loss=lambda model, batch: model(*batch))
+    assert _worst(module, ref) < 1e-5

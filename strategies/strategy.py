@@ -902,10 +902,21 @@ def _local_loss(out):
     from lightning_shard.tensor import DTensor
 
     if isinstance(out, DTensor):
-        return out.to_local()
+        return _replicated_local(out)
     if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
-        return {**out, "loss": out["loss"].to_local()}
+        return {**out, "loss": _replicated_local(out["loss"])}
     return out
+
+
+def _replicated_local(loss):
+    """The loss's whole value on every rank. A loss with a partial placement (cross-entropy with label smoothing:
+    its smoothing term sums the log-probabilities over the sharded vocabulary) is all-reduced first; its local
+    value alone was one rank's part, and each rank trained (and logged) on a different, wrong loss."""
+    from lightning_shard.tensor import Replicate
+
+    if any(not p.is_replicate() for p in loss.placements):
+        loss = loss.redistribute(loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+    return loss.to_local()
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -227,3 +227,54 @@ def test_new_module_under_empty_init_next_to_loaded_weights(tmp_path):
         assert 0.7 < ratio < 1.4, (name, ratio)
     ref = _reference(lambda: _Head(path), module.initial, world=2, loss=lambda model, batch: model(*batch))
     assert _worst(module, ref) < 1e-5
+
+
+def _padded_lm_dataset(n: int = 32, seq: int = 8):
+    """Token ids and labels with -100 (padding) over a random tail of each row: 1 to ``seq`` valid labels per row,
+    so ranks see different numbers of valid tokens."""
+    ids = H.token_batch(n, seq, seed=1)
+    g = torch.Generator().manual_seed(4)
+    valid = torch.randint(1, seq + 1, (n,), generator=g)
+    labels = torch.where(torch.arange(seq)[None, :] < valid[:, None], ids, torch.full_like(ids, -100))
+    return TensorDataset(ids, labels)
+
+
+def _hf_padded_loss(model, batch):  # transformers' own causal-LM loss: a mean over this rank's valid tokens
+    ids, labels = batch
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _smoothed_loss(model, batch):
+    ids, labels = batch
+    logits = model(input_ids=ids).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, label_smoothing=0.1
+    )
+
+
+def _ddp_loss(loss, ranks):
+    """What DDP (and torch's FSDP2) trains on: the mean of the ranks' losses, each a mean over its own rows."""
+
+    def mean_of_ranks(model, batch):
+        rows = len(batch[0]) // ranks
+        return sum(loss(model, [t[r * rows : (r + 1) * rows] for t in batch]) for r in range(ranks)) / ranks
+
+    return mean_of_ranks
+
+
+@pytest.mark.parametrize(("loss", "tp", "loss_parallel"), [
+    (_hf_padded_loss, 1, False), (_smoothed_loss, 1, False), (_smoothed_loss, 2, True), (_hf_padded_loss, 2, True),
+])  # fmt: skip
+@distributed(world_size=2)
+def test_padding_labels_and_label_smoothing_train_as_ddp(loss, tp, loss_parallel):
+    trainer = _trainer(
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp, loss_parallel=loss_parallel),
+        max_steps=STEPS,
+    )
+    module = _Lit(lambda: H.build("llama"), loss=loss, data=_padded_lm_dataset)
+    trainer.fit(module)
+    dp = 2 // tp
+    ref = _reference(
+        lambda: H.build("llama"), module.initial, world=dp, loss=_ddp_loss(loss, dp), data=_padded_lm_dataset
+    )
+    assert _worst(module, ref) < 1e-5

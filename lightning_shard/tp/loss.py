@@ -16,7 +16,9 @@ decompose into get vocab-parallel handlers when their input is sharded on the cl
 Uneven vocabularies (101 classes on 2 ranks) follow ``torch.chunk``. Inputs without a shard on the class
 dim go to the ordinary rules. Like torch's, the backward must run inside the context too. Supported: one
 mesh dim sharding the class dim, the other mesh dims ``Replicate``; a plain target is the full target.
-Label smoothing and class-probability targets take the ordinary (gathering) path.
+Label smoothing sums the log-probabilities over the class dim (a partial sum, all-reduced) and zeroes
+ignored rows with a plain mask, lifted to a replicated DTensor; class-probability targets take the ordinary
+(gathering) path.
 
 Example::
 
@@ -181,7 +183,25 @@ def _nll_backward(func, args, kwargs):
     return _wrap(result, meta, x.device_mesh, x.placements)
 
 
+def _masked_fill_plain_mask(func, args, kwargs):
+    """``masked_fill`` of a DTensor with a plain mask: the mask is the full one on every rank (it comes from the
+    plain target, ``target == ignore_index``), so it is lifted to a replicated DTensor.
+
+    Why: ``F.cross_entropy(..., label_smoothing=s)`` zeroes the ignored rows of its smoothing term (the class-dim
+    sum of the log-probabilities, a DTensor) with such a mask, in forward and backward; mixing a plain tensor of
+    more than one element with DTensors raises, so label smoothing failed under loss_parallel."""
+    x, mask = args[0], args[1]
+    if not isinstance(x, DTensor) or isinstance(mask, DTensor) or not isinstance(mask, torch.Tensor):
+        return None
+    if mask.numel() <= 1:
+        return None
+    lifted = DTensor.from_local(mask, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+    return func(x, lifted, *args[2:], **kwargs)
+
+
 _HANDLERS = {
+    aten.masked_fill_.Scalar: _masked_fill_plain_mask,
+    aten.masked_fill.Scalar: _masked_fill_plain_mask,
     aten._log_softmax.default: _log_softmax,
     aten._log_softmax_backward_data.default: _log_softmax_backward,
     aten.nll_loss_forward.default: _nll_forward,

@@ -278,3 +278,69 @@ def test_padding_labels_and_label_smoothing_train_as_ddp(loss, tp, loss_parallel
         lambda: H.build("llama"), module.initial, world=dp, loss=_ddp_loss(loss, dp), data=_padded_lm_dataset
     )
     assert _worst(module, ref) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_tied_resized_model_saved_and_reloaded_in_one_process(tmp_path, tp):
+    from transformers import AutoModelForCausalLM
+
+    from lightning_shard.checkpoint import get_model_state_dict, save_hf_pretrained
+
+    saved, path = _save_base(tmp_path, "qwen2")
+    out = _shared_path(tmp_path, "trained")
+
+    def make():
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.resize_token_embeddings(H.VOCAB + 6, mean_resizing=False)
+        return model
+
+    module = _fit(make, tp=tp, empty_init=True, loss=_lm_loss, data=H.token_dataset)
+    save_hf_pretrained(module.model, out)
+    full = get_model_state_dict(module.model, full_state_dict=True)
+    if dist.get_rank() == 0:
+        ref = _reference(make, module.initial, world=2 // tp, loss=_lm_loss, data=H.token_dataset)
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        assert loaded.config.vocab_size == H.VOCAB + 6 and loaded.config.tie_word_embeddings
+        assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+        theirs = dict(loaded.named_parameters())
+        assert theirs.keys() == ref.keys()
+        for name, value in ref.items():
+            assert torch.equal(theirs[name], full[name]), name
+            assert (theirs[name] - value).abs().max() < 1e-5, name
+    dist.barrier()
+
+
+@distributed(world_size=2)
+def test_peft_model_is_refused_by_save_hf_pretrained_and_saved_by_peft(tmp_path):
+    # save_hf_pretrained wrote base_model.model.* and lora_A.default.* names; from_pretrained then loaded a randomly
+    # initialised model, printing a report and raising nothing. It now raises on every rank, and the way it names
+    # (a full state dict given to peft's save_pretrained on rank 0) round-trips the trained adapters.
+    pytest.importorskip("peft")
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_shard.checkpoint import get_model_state_dict, save_hf_pretrained
+
+    saved, path = _save_base(tmp_path, "llama")
+    out = _shared_path(tmp_path, "adapters")
+
+    def make():
+        torch.manual_seed(11)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
+
+    module = _fit(make, tp=2, loss=_lm_loss, data=H.token_dataset)
+    for target in (module.model, module.model.get_base_model()):
+        with pytest.raises(TypeError, match="holds peft adapters.*peft_model.save_pretrained"):
+            save_hf_pretrained(target, out)
+    sd = get_model_state_dict(module.model, full_state_dict=True, cpu_offload=True)
+    if dist.get_rank() == 0:
+        module.model.save_pretrained(out, state_dict=sd)
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), out)
+        theirs = dict(loaded.named_parameters())
+        assert theirs.keys() == sd.keys()
+        assert any("lora_B" in n and sd[n].abs().max() > 0 for n in sd)  # trained away from B = 0
+        for name, value in sd.items():
+            assert torch.equal(theirs[name], value), name
+    dist.barrier()

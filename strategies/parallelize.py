@@ -416,8 +416,8 @@ def _peft_lora_initialize(model: nn.Module, fresh: set[int]) -> None:
     Why: under ``empty_init``, ``get_peft_model`` on a loaded model builds the adapters on meta, and peft's own
     initialisation ran on tensors without values; the adapters' Linears then got ``reset_parameters()`` and
     transformers' ``_init_weights`` (B drawn from N(0, 0.02): the model no longer started from the checkpoint's
-    function, without an error). Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, ...)
-    cannot run on meta: they raise, naming the adapter and the fix.
+    function, without an error). Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, ...,
+    and DoRA's magnitude vector) cannot run on meta: they raise, naming the adapter and the fix.
     """
     configs: dict[str, object] = {}
     for m in model.modules():
@@ -433,13 +433,16 @@ def _peft_lora_initialize(model: nn.Module, fresh: set[int]) -> None:
             tensors = [t for table in tables if adapter in table for t in _tensors_of(table[adapter])]
             if not any(id(t) in fresh for t in tensors):
                 continue
-            init = getattr(configs.get(adapter), "init_lora_weights", True)
-            if (init.lower() if isinstance(init, str) else init) not in _LORA_INITS:
+            config = configs.get(adapter)
+            init = getattr(config, "init_lora_weights", True)
+            dora = bool(getattr(config, "use_dora", False))  # its magnitude vector is the base weight's norm
+            if dora or (init.lower() if isinstance(init, str) else init) not in _LORA_INITS:
+                what = "use_dora=True" if dora else f"init_lora_weights={init!r}"
                 raise ValueError(
                     f"shard_fsdp_tp: the LoRA adapter {adapter!r} was built on the meta device (empty_init=True) "
-                    f"with init_lora_weights={init!r}, which peft computes from the base weights; it cannot be "
-                    "computed after sharding. Call get_peft_model outside Trainer.init_module(empty_init=True), "
-                    "or use init_lora_weights=True / 'gaussian' / False"
+                    f"with {what}, which peft computes from the base weights; it cannot be computed after "
+                    "sharding. Call get_peft_model outside Trainer.init_module(empty_init=True)"
+                    + ("" if dora else ", or use init_lora_weights=True / 'gaussian' / False")
                 )
             if init is False:  # peft leaves the Linears' own initialisation (transformers' replaced it above)
                 for table in tables[:2]:

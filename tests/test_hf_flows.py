@@ -344,3 +344,23 @@ def test_peft_model_is_refused_by_save_hf_pretrained_and_saved_by_peft(tmp_path)
         for name, value in sd.items():
             assert torch.equal(theirs[name], value), name
     dist.barrier()
+
+
+@pytest.mark.parametrize("option", [{"use_dora": True}])
+@distributed(world_size=2)
+def test_lora_initialised_from_the_base_weights_is_refused_under_empty_init(tmp_path, option):
+    # DoRA's magnitude vector (the base weight's norm) was computed on meta adapters: the first step raised on a
+    # NaN placeholder, naming reset_parameters() as the fix. (OLoRA / PiSSA fail inside get_peft_model itself.)
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    saved, path = _save_base(tmp_path, "llama")
+
+    def make():
+        config = LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0, **option)
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
+
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"LoRA adapter 'default' was built on the meta device.*{name}"):
+        _fit(make, empty_init=True, loss=_lm_loss, data=H.token_dataset)

@@ -167,9 +167,9 @@ def test_resize_token_embeddings_of_a_model_built_on_meta():
     assert _worst(module, ref) < 1e-5
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("tp", "checkpointing"), [(1, False), (2, False), (1, True)])
 @distributed(world_size=2)
-def test_peft_lora_on_from_pretrained_under_empty_init(tmp_path, tp):
+def test_peft_lora_on_from_pretrained_under_empty_init(tmp_path, tp, checkpointing):
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -179,7 +179,11 @@ def test_peft_lora_on_from_pretrained_under_empty_init(tmp_path, tp):
     def make():
         torch.manual_seed(11)
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
-        return get_peft_model(AutoModelForCausalLM.from_pretrained(path), config)
+        model = AutoModelForCausalLM.from_pretrained(path)
+        if checkpointing:  # Hugging Face's own, reentrant: the frozen embedding's output must require grad
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            model.enable_input_require_grads()
+        return get_peft_model(model, config)
 
     module = _fit(make, tp=tp, empty_init=True, loss=_lm_loss, data=H.token_dataset)
     one = dict(make().named_parameters())  # one process: peft's initialisation (B = 0, A Kaiming-uniform)

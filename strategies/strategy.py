@@ -631,16 +631,18 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
         return loss_parallel()
 
+    # Evaluation runs inside loss_parallel too: the LM head returns vocabulary-sharded logits in every loop, and a
+    # loss computed from them with a plain target outside the context raised (mixing a tensor with DTensors).
     def validation_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "test", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.test_step_context():
+        with self.precision_plugin.test_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
@@ -778,6 +780,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         """
         if not isinstance(tensor, torch.Tensor):
             return tensor
+        if isinstance(tensor, DTensor):  # a loss under loss_parallel: its value on this rank, whole (a partial sum
+            tensor = _replicated_local(tensor.detach())  # with label smoothing), as a plain tensor for c10d
         out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         tp = self._device_mesh.size("tensor_parallel") if self._device_mesh is not None else 1
         if group is None and tp > 1 and _is_sum(reduce_op) and _distributed_is_initialized():

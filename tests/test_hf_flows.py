@@ -368,3 +368,45 @@ def test_lora_initialised_from_the_base_weights_is_refused_under_empty_init(tmp_
     name = next(iter(option))
     with pytest.raises(ValueError, match=f"LoRA adapter 'default' was built on the meta device.*{name}"):
         _fit(make, empty_init=True, loss=_lm_loss, data=H.token_dataset)
+
+
+class _LitEval(_Lit):
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(self.model, batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(self.model, batch)
+        self.log("val_loss", loss, sync_dist=True, batch_size=len(batch[0]))
+        self.log("val_loss_unsynced", loss, prog_bar=True, batch_size=len(batch[0]))
+
+    def val_dataloader(self):
+        return DataLoader(self._data(), batch_size=4, shuffle=False)
+
+
+@pytest.mark.parametrize("loss", [_hf_padded_loss, _smoothed_loss])
+@distributed(world_size=2)
+def test_validation_under_loss_parallel_matches_one_process(tmp_path, loss):
+    trainer = _trainer(
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True), limit_val_batches=2
+    )
+    module = _LitEval(lambda: H.build("llama"), loss=loss, data=_padded_lm_dataset)
+    trainer.validate(module)
+    model, rows = H.build("llama"), _padded_lm_dataset()
+    with torch.no_grad():
+        expected = sum(loss(model, rows[4 * k : 4 * k + 4]) for k in range(2)) / 2
+    for key in ("val_loss", "val_loss_unsynced"):
+        got = trainer.callback_metrics[key]
+        assert abs(got.item() - expected.item()) < 1e-5, (key, got, expected)
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(_shared_path(tmp_path, "logs"))  # rank 0 writes the logged values
+    trainer = _trainer(
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True),
+        max_steps=2,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=True,
+    )
+    trainer.fit(module)

@@ -199,7 +199,31 @@ def _masked_fill_plain_mask(func, args, kwargs):
     return func(x, lifted, *args[2:], **kwargs)
 
 
+def _add_partial_to_replicated(func, args, kwargs):
+    """``a + b`` of a replicated and a partial-sum DTensor of the same shape: the partial one is all-reduced first,
+    so the sum is replicated.
+
+    Why: with ``label_smoothing`` the loss is ``(1 - s) * nll + smoothing * s / classes``, the nll term replicated,
+    the smoothing term a partial sum over the vocabulary shards. A partial loss escaped into ``self.log``: its value
+    needs an all-reduce, which a logger calling ``.item()`` on rank 0 only started alone (a hang), and which
+    c10d's all-reduce of ``sync_dist`` did not do (each rank logged its own part). Replicated like the loss without
+    smoothing, it is one all-reduce of the loss values (one per row at most) here instead."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a.device_mesh != b.device_mesh:
+        return None
+    if tuple(a.shape) != tuple(b.shape):
+        return None
+    kinds = [(all(p.is_replicate() for p in t.placements), all(p.is_partial() for p in t.placements)) for t in (a, b)]
+    if not ((kinds[0][0] and kinds[1][1]) or (kinds[0][1] and kinds[1][0])):
+        return None
+    mesh = a.device_mesh
+    replicate = [Replicate()] * mesh.ndim
+    a, b = (t if kind[0] else _wrap(_full_local(t), _meta(t), mesh, replicate) for t, kind in zip((a, b), kinds))
+    return func(a, b, *args[2:], **kwargs)
+
+
 _HANDLERS = {
+    aten.add.Tensor: _add_partial_to_replicated,
     aten.masked_fill_.Scalar: _masked_fill_plain_mask,
     aten.masked_fill.Scalar: _masked_fill_plain_mask,
     aten._log_softmax.default: _log_softmax,

@@ -1,5 +1,19 @@
 """Hugging Face fine-tuning flows through ``Trainer(strategy="shard_fsdp_tp")``, each compared with one process on
-the same global batches (2 gloo ranks)."""
+the same global batches (2 gloo ranks, FSDP 2 or TP 2).
+
+* A classifier from a saved base model (``from_pretrained(..., num_labels=3)``: transformers draws the missing
+  head), with and without ``empty_init``.
+* ``resize_token_embeddings`` after ``from_pretrained`` under ``empty_init`` (raised "incompatible tensor type")
+  and on a model built on meta (mean resizing raised on ``Tensor.item()``); a tied, resized model saved with
+  ``save_hf_pretrained`` and read back by ``from_pretrained``.
+* peft LoRA on a loaded model under ``empty_init``: its FSDP groups mix loaded and meta parameters (raised, or
+  dropped the loaded weights when a meta one came first), and the adapters get peft's initialisation (B was
+  drawn from N(0, 0.02)); DoRA is refused there; ``save_hf_pretrained`` refuses a peft model (``from_pretrained``
+  read its files as a randomly initialised model), and peft's own save round-trips.
+* Padding labels (-100) with uneven valid tokens per rank, and label smoothing, train as DDP does (the mean of
+  the ranks' losses); under ``loss_parallel`` label smoothing raised, then trained each TP rank on its own part
+  of the loss; validation under ``loss_parallel`` raised, and a logged label-smoothed loss hung.
+"""
 
 from __future__ import annotations
 

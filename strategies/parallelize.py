@@ -23,7 +23,15 @@ from torch import nn
 
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data
-from lightning_shard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from lightning_shard.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    built_on_meta,
+    fully_shard,
+)
+from lightning_shard.fsdp.param import BUILT_ON_META
 from lightning_shard.fsdp.units import SharedSplit, find_repeated_blocks, split_shared_params
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
@@ -165,23 +173,68 @@ def parameters_on_meta() -> Iterator[None]:
 
     A parameter registered a second time (a tied weight) is already on meta and stays the same object.
 
+    Hugging Face's ``resize_token_embeddings`` on a model whose embeddings hold values (loaded by
+    ``from_pretrained``) builds its new embedding and head on the host: it copies the old rows into them and
+    assigns ``old.weight.data = new.weight.data``, which needs real tensors (on meta, the head's copied rows were
+    dropped, and the embedding's assignment failed with "incompatible tensor type").
+
     Example::
 
         with parameters_on_meta():
             model = MyModel()          # parameters on meta, buffers on the host
     """
     original = nn.Module.register_parameter
+    kept_real = [0]  # > 0 inside a resize of real embeddings: new parameters stay on the host
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and type(param) is nn.Parameter and not param.is_meta and not _loads(module, name):
+        if (
+            param is not None
+            and type(param) is nn.Parameter
+            and not param.is_meta
+            and not _loads(module, name)
+            and not kept_real[0]
+        ):
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
     nn.Module.register_parameter = register_parameter
+    restore = _resize_keeps_real_embeddings(kept_real)
     try:
         yield
     finally:
         nn.Module.register_parameter = original
+        restore()
+
+
+def _resize_keeps_real_embeddings(kept_real: list[int]) -> Callable[[], None]:
+    """Wrap transformers' ``PreTrainedModel.resize_token_embeddings`` (when transformers is imported) so that
+    resizing embeddings that hold values builds the new ones on the host (``kept_real[0] > 0`` meanwhile); returns
+    the function that unwraps it. Embeddings on meta (a model built from its config) are resized on meta, without
+    ``mean_resizing`` (it needs the old rows' values)."""
+    if "transformers" not in sys.modules:
+        return lambda: None  # no Hugging Face model can be built without importing transformers first
+    try:  # transformers imports its modules lazily: the model may be built, and resized, inside the context
+        from transformers.modeling_utils import PreTrainedModel as cls
+    except ImportError:
+        return lambda: None
+    if "resize_token_embeddings" not in cls.__dict__:
+        return lambda: None
+    original = cls.__dict__["resize_token_embeddings"]
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        weight = getattr(self.get_input_embeddings(), "weight", None)
+        real = weight is not None and not weight.is_meta
+        if not real:  # transformers' mean resizing samples from the old rows' covariance: no values on meta.
+            # The new rows are initialised with the rest after sharding (transformers' _init_weights).
+            args, kwargs = args[:2], {**kwargs, "mean_resizing": False}
+        kept_real[0] += real
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            kept_real[0] -= real
+
+    cls.resize_token_embeddings = resize_token_embeddings
+    return lambda: setattr(cls, "resize_token_embeddings", original)
 
 
 def _loads(module: nn.Module, name: str) -> bool:
@@ -209,7 +262,8 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
     checkpoint loaded before the first step may still fill it; ``check_initialised`` then raises for what is
     left, on every rank, instead of training on it.
     """
-    meta_params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    # fully_shard gives a meta parameter real storage (no value) when its group also holds real ones, and flags it
+    meta_params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta or built_on_meta(p)}
     meta_buffers = {name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
     if not meta_params and not meta_buffers:
         return None
@@ -243,6 +297,8 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
     with torch.no_grad():
         for name, value in kept_params.items():
             _local(params[name]).copy_(value)
+    for name in meta_params:
+        params[name].__dict__.pop(BUILT_ON_META, None)  # initialised now (or reported below)
     unset = [name for name in sorted(meta_params) if _holds_marker(_local(params[name]))]
     for name in sorted(meta_buffers):
         buf = buffers[name]
@@ -269,6 +325,7 @@ def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device, fresh:
                     reset()
             for hf_model in _outermost_hugging_face_models(model):
                 _hugging_face_initialize(hf_model, fresh)
+            _peft_lora_initialize(model, fresh)  # after transformers', which also reaches the adapters' Linears
     finally:
         torch.set_rng_state(states[0])
         if states[1] is not None:
@@ -346,6 +403,57 @@ def _hugging_face_initialize(hf_model: nn.Module, fresh: set[int]) -> None:
             if t is not None and id(t) not in fresh:
                 t._is_hf_initialized = True
     initialize()
+
+
+# What peft's reset_lora_parameters (or nn.Linear's own initialisation) draws: no values needed.
+_LORA_INITS = (True, False, "gaussian")
+
+
+def _peft_lora_initialize(model: nn.Module, fresh: set[int]) -> None:
+    """Give peft's LoRA adapters built on meta the initialisation peft gives them (``init_lora_weights``: by default
+    A Kaiming-uniform and B zero, so that the adapted model starts equal to the base model).
+
+    Why: under ``empty_init``, ``get_peft_model`` on a loaded model builds the adapters on meta, and peft's own
+    initialisation ran on tensors without values; the adapters' Linears then got ``reset_parameters()`` and
+    transformers' ``_init_weights`` (B drawn from N(0, 0.02): the model no longer started from the checkpoint's
+    function, without an error). Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, ...,
+    and DoRA's magnitude vector) cannot run on meta: they raise, naming the adapter and the fix.
+    """
+    configs: dict[str, object] = {}
+    for m in model.modules():
+        found = getattr(m, "peft_config", None)
+        if isinstance(found, dict):
+            for name, config in found.items():
+                configs.setdefault(name, config)
+    for m in model.modules():
+        if not callable(getattr(m, "reset_lora_parameters", None)):
+            continue
+        tables = [getattr(m, key, {}) for key in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")]
+        for adapter in sorted({a for table in tables for a in table}):
+            tensors = [t for table in tables if adapter in table for t in _tensors_of(table[adapter])]
+            if not any(id(t) in fresh for t in tensors):
+                continue
+            config = configs.get(adapter)
+            init = getattr(config, "init_lora_weights", True)
+            dora = bool(getattr(config, "use_dora", False))  # its magnitude vector is the base weight's norm
+            if dora or (init.lower() if isinstance(init, str) else init) not in _LORA_INITS:
+                what = "use_dora=True" if dora else f"init_lora_weights={init!r}"
+                raise ValueError(
+                    f"shard_fsdp_tp: the LoRA adapter {adapter!r} was built on the meta device (empty_init=True) "
+                    f"with {what}, which peft computes from the base weights; it cannot be computed after "
+                    "sharding. Call get_peft_model outside Trainer.init_module(empty_init=True)"
+                    + ("" if dora else ", or use init_lora_weights=True / 'gaussian' / False")
+                )
+            if init is False:  # peft leaves the Linears' own initialisation (transformers' replaced it above)
+                for table in tables[:2]:
+                    if adapter in table:
+                        table[adapter].reset_parameters()
+            else:
+                m.reset_lora_parameters(adapter, init)
+
+
+def _tensors_of(entry: nn.Module | torch.Tensor) -> list[torch.Tensor]:
+    return [entry] if isinstance(entry, torch.Tensor) else list(entry.parameters())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -631,16 +631,18 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
         return loss_parallel()
 
+    # Evaluation runs inside loss_parallel too: the LM head returns vocabulary-sharded logits in every loop, and a
+    # loss computed from them with a plain target outside the context raised (mixing a tensor with DTensors).
     def validation_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "test", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.test_step_context():
+        with self.precision_plugin.test_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
@@ -820,6 +822,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         """
         if not isinstance(tensor, torch.Tensor):
             return tensor
+        if isinstance(tensor, DTensor):  # a loss under loss_parallel: its value on this rank, whole (a partial sum
+            tensor = _replicated_local(tensor.detach())  # with label smoothing), as a plain tensor for c10d
         out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         tp = self._device_mesh.size("tensor_parallel") if self._device_mesh is not None else 1
         if group is None and tp > 1 and _is_sum(reduce_op) and _distributed_is_initialized():
@@ -944,10 +948,21 @@ def _local_loss(out):
     from lightning_shard.tensor import DTensor
 
     if isinstance(out, DTensor):
-        return out.to_local()
+        return _replicated_local(out)
     if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
-        return {**out, "loss": out["loss"].to_local()}
+        return {**out, "loss": _replicated_local(out["loss"])}
     return out
+
+
+def _replicated_local(loss):
+    """The loss's whole value on every rank. A loss with a partial placement (cross-entropy with label smoothing:
+    its smoothing term sums the log-probabilities over the sharded vocabulary) is all-reduced first; its local
+    value alone was one rank's part, and each rank trained (and logged) on a different, wrong loss."""
+    from lightning_shard.tensor import Replicate
+
+    if any(not p.is_replicate() for p in loss.placements):
+        loss = loss.redistribute(loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+    return loss.to_local()
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

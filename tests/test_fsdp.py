@@ -643,3 +643,24 @@ def test_meta_model_larger_than_the_memory_cap_is_sharded_and_materialized():
     expected = nn.Linear(2048, 2048, bias=False).weight.detach()
     assert torch.equal(model[0].weight.full_tensor(), expected)
     torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("meta_first", [True, False])
+@distributed(world_size=2)
+def test_group_mixing_meta_and_real_parameters_keeps_the_real_values(meta_first):
+    # The group's first parameter decided its device: a meta one first dropped the real ones' values (the flat
+    # shard on meta), a real one first raised "Cannot copy out of meta tensor".
+    from lightning_shard.fsdp import built_on_meta
+
+    torch.manual_seed(0)
+    real = nn.Linear(4, 6)
+    with torch.device("meta"):
+        new = nn.Linear(4, 6)
+    model = nn.Sequential(new, real) if meta_first else nn.Sequential(real, new)
+    expected = {n: p.detach().clone() for n, p in real.named_parameters()}
+    fully_shard(model, mesh=_dp_mesh())
+    for name, want in expected.items():
+        got = getattr(real, name)
+        assert not got.is_meta and not built_on_meta(got)
+        assert torch.equal(got.full_tensor(), want), name
+    assert all(not p.is_meta and built_on_meta(p) for p in new.parameters())

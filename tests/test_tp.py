@@ -281,6 +281,31 @@ def test_loss_parallel_matches_torch_uneven_vocab_ignore_index():
 
 
 @distributed(world_size=2)
+def test_loss_parallel_label_smoothing_with_ignored_targets():
+    # The smoothing term's ignored rows are zeroed with a plain mask (target == ignore_index): it raised on mixing
+    # a plain tensor with DTensors. The smoothing term is a partial sum over the vocabulary shards; the loss is
+    # replicated, as without smoothing.
+    from lightning_shard.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(6, VOCAB, generator=g)
+    target = torch.randint(0, VOCAB, (6,), generator=g)
+    target[[1, 4]] = -100
+    for reduction in ("mean", "sum", "none"):
+        ref_x = logits.clone().requires_grad_()
+        ref = F.cross_entropy(ref_x, target, label_smoothing=0.1, reduction=reduction)
+        ref.sum().backward()
+        x = distribute_tensor(logits.clone().requires_grad_(), mesh, [Shard(1)])
+        with loss_parallel():
+            loss = F.cross_entropy(x, target, label_smoothing=0.1, reduction=reduction)
+            loss.sum().backward()
+        assert loss.placements == (Replicate(),), reduction  # a partial loss escaped into logging: a hang
+        assert (loss.full_tensor() - ref).abs().max() < 1e-5, reduction
+        assert (x.grad.full_tensor() - ref_x.grad).abs().max() < 1e-6, reduction
+
+
+@distributed(world_size=2)
 def test_loss_parallel_applies_inside_its_block_only_whatever_ran_before():
     # Dispatch caches each op's handler: entering and leaving loss_parallel must reach ops dispatched before.
     from lightning_shard import comm

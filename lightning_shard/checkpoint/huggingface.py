@@ -95,6 +95,7 @@ def save_hf_pretrained(
         save_hf_pretrained(model, "out/model", max_shard_size="2GB")
     """
     limit = _parse_size(max_shard_size)
+    _check_no_adapters(model)
     _check_no_weight_conversion(model)
     entries = _entries(model)
     files = _split(entries, limit)
@@ -172,6 +173,26 @@ def _kept_name(names: list[str], tied_targets: list[str]) -> str:
             "_tied_weights_keys, or untie them before saving"
         )
     return kept[0]
+
+
+def _check_no_adapters(model: nn.Module) -> None:
+    """Refuse a model holding peft adapters (a ``PeftModel``, or LoRA layers injected into a model).
+
+    Why: its state dict names the weights ``base_model.model.<name>`` and ``<module>.base_layer.weight`` plus
+    ``lora_A.<adapter>.weight``, none of which ``from_pretrained`` looks for: it loaded a model with every weight
+    newly initialised, printing a load report but raising nothing."""
+    tuned = [name for name, m in model.named_modules() if callable(getattr(m, "get_base_layer", None))]
+    if not tuned and not isinstance(getattr(model, "peft_config", None), dict):
+        return
+    where = f" ({tuned[0]!r} and {len(tuned) - 1} more)" if tuned else ""
+    raise TypeError(
+        f"save_hf_pretrained: {type(model).__name__} holds peft adapters{where}; from_pretrained would find none "
+        "of its weights under their saved names and load a randomly initialised model. Save the adapters with "
+        "peft instead: sd = get_model_state_dict(peft_model, full_state_dict=True, cpu_offload=True) on every rank, "
+        "then on rank 0 peft_model.save_pretrained(directory, state_dict=sd) (read back with "
+        "PeftModel.from_pretrained(base_model, directory)); or merge them into the base weights in one process "
+        "(merge_and_unload()) and save that model"
+    )
 
 
 def _check_no_weight_conversion(model: nn.Module) -> None:

@@ -10,6 +10,7 @@ Example::
 
 from lightning_shard.fsdp.api import FSDPModule, UnshardHandle, fully_shard, summon_full_params
 from lightning_shard.fsdp.optimizer_guard import check_optimizer_params
+from lightning_shard.fsdp.param import built_on_meta
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "UnshardHandle",
     "summon_full_params",
     "check_optimizer_params",
+    "built_on_meta",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

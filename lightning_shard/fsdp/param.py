@@ -17,6 +17,18 @@ from torch import nn
 
 from lightning_shard.tensor import DTensor
 
+BUILT_ON_META = "_built_on_meta"
+
+
+def built_on_meta(param: torch.Tensor) -> bool:
+    """Whether ``fully_shard`` gave this parameter, built on the meta device, real storage without a value: its
+    group also held parameters with values (one flat shard holds a group; it cannot be part meta), so it is not
+    ``is_meta`` and still needs initialising (``to_empty`` leaves it alone). All-meta groups stay on meta.
+
+    Example: ``[n for n, p in model.named_parameters() if p.is_meta or built_on_meta(p)]``.
+    """
+    return getattr(param, BUILT_ON_META, False)
+
 
 class FSDPParam:
     """Book-keeping for one parameter of an FSDP group (see module docstring)."""

@@ -30,7 +30,7 @@ from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data, same_storage
 from lightning_shard.fsdp import buffers, collectives
 from lightning_shard.fsdp.optimizer_guard import mark_unsharded
-from lightning_shard.fsdp.param import FSDPParam
+from lightning_shard.fsdp.param import BUILT_ON_META, FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from lightning_shard.fsdp.post_forward import PostForwardShard
 from lightning_shard.mesh import DeviceMesh
@@ -237,21 +237,28 @@ class FSDPParamGroup:
 
     def _shard_originals(self, originals: list[nn.Parameter]) -> torch.Tensor:
         """Copy this rank's rows of every parameter into a new flat shard and register DTensor params."""
-        device = originals[0].device if originals[0].device.type == "meta" else self.shard_device
+        # A group is on meta only if all its parameters are: a model loaded with values and given new modules built
+        # on meta (Hugging Face's from_pretrained, then LoRA adapters or a new head) mixes both in one group, and
+        # a meta flat shard would drop the loaded values (the first parameter decided; a real one first raised
+        # "Cannot copy out of meta tensor").
+        device = originals[0].device if all(o.device.type == "meta" for o in originals) else self.shard_device
         flat = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
         if self.pin_memory and device.type == "cpu":
             flat = self.handle.pin(flat)
         rank = self.mesh_info.shard_rank
         for i, (fp, orig) in enumerate(zip(self.params, originals)):
             local = self._local_view(flat, i)
-            if device.type != "meta" and local.numel() > 0:  # trailing ranks may hold no rows at all
+            source = orig._local_tensor if isinstance(orig, DTensor) else orig
+            unset = device.type != "meta" and source.is_meta
+            if device.type != "meta" and not unset and local.numel() > 0:  # trailing ranks may hold no rows at all
                 start = rank * self.layout.rows_per_shard[i]
-                source = orig._local_tensor if isinstance(orig, DTensor) else orig
                 local.copy_(source.detach().narrow(0, start, local.shape[0]))
             mesh, placements = self.mesh_info.param_mesh_and_placements(fp)
             spec = DTensorSpec(mesh, placements, fp.global_shape, orig.stride(), self.orig_dtype)
             fp.sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=fp.requires_grad)
             fp.sharded._fsdp_managed = True
+            if unset:  # a meta parameter in a real group: storage without a value, for the caller to initialise
+                setattr(fp.sharded, BUILT_ON_META, True)
             fp.set_on_modules(fp.sharded)
         return flat
 

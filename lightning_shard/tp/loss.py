@@ -16,7 +16,9 @@ decompose into get vocab-parallel handlers when their input is sharded on the cl
 Uneven vocabularies (101 classes on 2 ranks) follow ``torch.chunk``. Inputs without a shard on the class
 dim go to the ordinary rules. Like torch's, the backward must run inside the context too. Supported: one
 mesh dim sharding the class dim, the other mesh dims ``Replicate``; a plain target is the full target.
-Label smoothing and class-probability targets take the ordinary (gathering) path.
+Label smoothing sums the log-probabilities over the class dim (a partial sum, all-reduced) and zeroes
+ignored rows with a plain mask, lifted to a replicated DTensor; class-probability targets take the ordinary
+(gathering) path.
 
 Example::
 
@@ -181,7 +183,49 @@ def _nll_backward(func, args, kwargs):
     return _wrap(result, meta, x.device_mesh, x.placements)
 
 
+def _masked_fill_plain_mask(func, args, kwargs):
+    """``masked_fill`` of a DTensor with a plain mask: the mask is the full one on every rank (it comes from the
+    plain target, ``target == ignore_index``), so it is lifted to a replicated DTensor.
+
+    Why: ``F.cross_entropy(..., label_smoothing=s)`` zeroes the ignored rows of its smoothing term (the class-dim
+    sum of the log-probabilities, a DTensor) with such a mask, in forward and backward; mixing a plain tensor of
+    more than one element with DTensors raises, so label smoothing failed under loss_parallel."""
+    x, mask = args[0], args[1]
+    if not isinstance(x, DTensor) or isinstance(mask, DTensor) or not isinstance(mask, torch.Tensor):
+        return None
+    if mask.numel() <= 1:
+        return None
+    lifted = DTensor.from_local(mask, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+    return func(x, lifted, *args[2:], **kwargs)
+
+
+def _add_partial_to_replicated(func, args, kwargs):
+    """``a + b`` of a replicated and a partial-sum DTensor of the same shape: the partial one is all-reduced first,
+    so the sum is replicated.
+
+    Why: with ``label_smoothing`` the loss is ``(1 - s) * nll + smoothing * s / classes``, the nll term replicated,
+    the smoothing term a partial sum over the vocabulary shards. A partial loss escaped into ``self.log``: its value
+    needs an all-reduce, which a logger calling ``.item()`` on rank 0 only started alone (a hang), and which
+    c10d's all-reduce of ``sync_dist`` did not do (each rank logged its own part). Replicated like the loss without
+    smoothing, it is one all-reduce of the loss values (one per row at most) here instead."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a.device_mesh != b.device_mesh:
+        return None
+    if tuple(a.shape) != tuple(b.shape):
+        return None
+    kinds = [(all(p.is_replicate() for p in t.placements), all(p.is_partial() for p in t.placements)) for t in (a, b)]
+    if not ((kinds[0][0] and kinds[1][1]) or (kinds[0][1] and kinds[1][0])):
+        return None
+    mesh = a.device_mesh
+    replicate = [Replicate()] * mesh.ndim
+    a, b = (t if kind[0] else _wrap(_full_local(t), _meta(t), mesh, replicate) for t, kind in zip((a, b), kinds))
+    return func(a, b, *args[2:], **kwargs)
+
+
 _HANDLERS = {
+    aten.add.Tensor: _add_partial_to_replicated,
+    aten.masked_fill_.Scalar: _masked_fill_plain_mask,
+    aten.masked_fill.Scalar: _masked_fill_plain_mask,
     aten._log_softmax.default: _log_softmax,
     aten._log_softmax_backward_data.default: _log_softmax_backward,
     aten.nll_loss_forward.default: _nll_forward,

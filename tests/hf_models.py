@@ -372,6 +372,18 @@ _DECODERS: dict[str, tuple[str, str, dict]] = {
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(_LLAMA_SIZES, **_GQA, **_SMALL_MOE, head_dim=16,
                 num_local_experts=4, layer_types=["linear_attention", "full_attention"], block_size=4,
                 eos_token_id=1, pad_token_id=0, bos_token_id=0)),
+    # per-layer token embeddings fed through a per-layer bottleneck (per_layer_input_gate 64 -> 16, then
+    # per_layer_projection 16 -> 64), AltUp, LAuReL, and activation sparsity (mean + k * std of the gate
+    # activations) in layer 0's MLP
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=VOCAB,
+                hidden_size_per_layer_input=16, altup_num_inputs=2, laurel_rank=8, num_kv_shared_layers=0,
+                activation_sparsity_pattern=[0.95, 0.0], eos_token_id=1, pad_token_id=0, bos_token_id=0)),
+    # Gemma 3n's per-layer inputs, v_norm beside q/k norms
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, sliding_window=4,
+               layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=VOCAB,
+               hidden_size_per_layer_input=16, num_kv_shared_layers=0, eos_token_id=1, pad_token_id=0,
+               bos_token_id=0)),
 }  # fmt: skip
 
 

@@ -343,14 +343,19 @@ def _mlp_blocker(mlp: _Mlp, modules: dict[str, nn.Module], attns: dict, tp: int,
         return f"MLP hidden size {mlp.hidden} not divisible by tp {tp}"
     m = modules[mlp.fqn]
     holds_attention = any(a == mlp.fqn or a.startswith(mlp.fqn + ".") for a in attns)
-    found = [] if holds_attention else sorted(set(_REDUCTION.findall(_source(type(m)))))
-    if found:
+    # The MLP's own class and its parameter-free children's (an activation module acts on the hidden activations
+    # too; a child with parameters, such as BitNet's ffn_sub_norm, is named by the rule below).
+    classes = [type(m)] + [type(c) for c in m.children() if not is_linear(c) and next(c.parameters(), None) is None]
+    found = {} if holds_attention else {c: sorted(set(_REDUCTION.findall(_source(c)))) for c in classes}
+    where = next((c for c in classes if found.get(c)), None)
+    if where is not None:
         # Gemma 3n's activation sparsity (_gaussian_topk) cuts the gate activations at mean + k * std over the
         # hidden dim: split, each rank used its own half's mean and std, and trained wrong with no error (loss
         # 5.78 against 7.23 after 3 steps at lr 0.5). Of transformers 5.24's 354 *MLP classes it is the only one
         # with a reduction (besides Zaya's router); the source cannot say over which dim, so any one blocks.
+        owner = type(m).__name__ if where is type(m) else f"{type(m).__name__}'s child {where.__name__}"
         return (
-            f"{type(m).__name__} reduces over a dim in its code ({', '.join(found)}): over the split hidden "
+            f"{owner} reduces over a dim in its code ({', '.join(found[where])}): over the split hidden "
             "activations each rank would use its own shard's values"
         )
     if mlp.whole_module or holds_attention:

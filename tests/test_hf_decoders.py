@@ -4,12 +4,13 @@ DeepSeek-V3, gpt-oss, Apertus, BitNet, AFMoE, and from the OLMoE line on the 202
 GraniteMoE (+shared, +hybrid), DeepSeek-V2, GLM, GLM-4 (+MoE), StarCoder2, Cohere 2, EXAONE 4, Helium, SmolLM3,
 Nemotron, DiffLlama, ERNIE 4.5 (+MoE), Hunyuan dense/MoE, MiniCPM3, Seed-OSS, Arcee, dots1, Llama 4 text,
 VaultGemma, LFM2 (+MoE), Doge, XGLM, BioGPT, GPT-Neo, OpenAI GPT, CTRL, PhiMoE, Qwen3-Next, Falcon-H1, MiniMax,
-LongCat-Flash) under FSDP through the Trainer and under ``auto_tp_plan`` TP, each compared with one process on the
-same data (tiny random-init configs, no downloads).
+LongCat-Flash, Gemma 3n, Gemma 4) under FSDP through the Trainer and under ``auto_tp_plan`` TP, each compared
+with one process on the same data (tiny random-init configs, no downloads).
 
 What TP must not do on these is train wrong without an error: a replicated parameter that sees only this rank's
 heads (Qwen3's per-head ``q_norm``) gets a partial gradient; a per-head ``ModuleList`` of norms (StableLM) pairs
-rank 1's heads with heads 0-1's norms; Apertus' learnable activation scalars see half the MLP's hidden units.
+rank 1's heads with heads 0-1's norms; Apertus' learnable activation scalars see half the MLP's hidden units;
+Gemma 3n's activation sparsity takes the mean and std of half the hidden units.
 The plan either handles such a part or leaves its attention or MLP replicated.
 
 The default run covers Gemma 2, Mixtral, BLOOM and Phi-3 under FSDP and those plus Qwen3, StableLM, Falcon,

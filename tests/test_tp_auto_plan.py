@@ -147,3 +147,41 @@ def test_sequence_parallel_auto_off_for_a_position_table_outside_the_blocks():
 def test_sequence_parallel_rejects_other_values():
     with pytest.raises(ValueError, match="sequence_parallel='yes' must be True, False or 'auto'"):
         auto_tp_plan(tp_models.Llama(), 2, sequence_parallel="yes")
+
+
+def test_mlp_with_a_reducing_activation_module_is_left_replicated():
+    # An activation module without parameters that reduces over the hidden dim (here: centring each row) would
+    # see only this rank's hidden columns once the MLP is split; the plan names it and keeps the MLP whole.
+    import torch
+    from torch import nn
+
+    class Centred(nn.Module):
+        def forward(self, x):
+            return torch.relu(x - x.mean(-1, keepdim=True))
+
+    class Mlp(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.up_proj, self.down_proj, self.act = nn.Linear(8, 32), nn.Linear(32, 8), act
+
+        def forward(self, x):
+            return self.down_proj(self.act(self.up_proj(x)))
+
+    class Net(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.layers = nn.ModuleList([Mlp(act) for _ in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    plan, summary = _plan(Net(Centred()))
+    assert not plan, plan
+    line = "layers.0: Mlp's child Centred reduces over a dim in its code (mean): over the split hidden activations"
+    _has(summary, f"{line} each rank would use its own shard's values, left replicated")
+    plan, _ = _plan(Net(nn.GELU()))
+    assert isinstance(plan["layers.0.up_proj"], ColwiseParallel) and isinstance(
+        plan["layers.0.down_proj"], RowwiseParallel
+    )

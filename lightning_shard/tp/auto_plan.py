@@ -25,7 +25,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
 * MLP: a direct ``nn.Linear`` child ``down`` (d_h -> d) and one or more siblings ``up`` (d -> d_h), e.g.
   fc1/fc2, up/gate/down, linear1/linear2 (named, or d_h != d): ``ColwiseParallel`` on each up,
   ``RowwiseParallel`` on down; d_h must divide by the TP size. In a block with an attention, an up and a
-  down that are the only Linears of sibling modules also count (BERT's ``intermediate``/``output``).
+  down that are the only Linears of sibling modules also count (BERT's ``intermediate``/``output``). Left
+  replicated: a pair whose outer width no attention reads (a bottleneck, down then up), and an MLP module whose
+  class source reduces over a dim (``mean``, ``std``, ``topk``, ...: the split hidden activations).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
   what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``). Left replicated, with
   whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions)
@@ -315,18 +317,48 @@ def _find_mlp(fqn: str, m: nn.Module) -> _Mlp | None:
     return mlp
 
 
-def _mlp_blocker(mlp: _Mlp, modules: dict[str, nn.Module], attns: dict, tp: int) -> str:
+def _mlp_blocker(mlp: _Mlp, modules: dict[str, nn.Module], attns: dict, tp: int, widths: set[int]) -> str:
     """Why ``mlp`` cannot be split over ``tp`` ranks, or ``""``.
+
+    An MLP reads and writes the stream its block works on, so its outer width (``down``'s output) is a width an
+    attention of the model reads (``widths``). A pair of the right shapes whose outer width is none of them is a
+    bottleneck whose data flows the other way, down then up: Gemma 3n's and Gemma 4's decoder layer holds
+    ``per_layer_input_gate`` (64 -> 16), whose output feeds ``per_layer_projection`` (16 -> 64). Split as an MLP,
+    the row-parallel "down" took the full 64-wide input for a 32-wide shard, a shape error deep in forward.
 
     A parameter of an MLP module besides its Linears (a learnable activation such as xIELU's ``alpha_p``, a
     norm over the hidden width) acts on the hidden activations that TP splits: a replicated copy would get a
     partial gradient on each rank (silently wrong training) or not fit the local width. A module that also
     holds an attention is a whole layer (OPT's, ``nn.TransformerEncoderLayer``), whose other parameters are its
     attention's and its norms on the block input."""
+    outer = linear_dims(modules[mlp.down])[1]
+    if widths and outer not in widths:
+        up = mlp.ups[0].rsplit(".", 1)[-1]
+        return (
+            f"Linears {up} ({outer} -> {mlp.hidden}) and {mlp.down.rsplit('.', 1)[-1]} ({mlp.hidden} -> {outer}) "
+            f"have an MLP's shapes but their outer width {outer} is no width an attention reads "
+            f"({', '.join(map(str, sorted(widths)))}): a bottleneck (down, then up), not an MLP"
+        )
     if mlp.hidden % tp:
         return f"MLP hidden size {mlp.hidden} not divisible by tp {tp}"
     m = modules[mlp.fqn]
-    if mlp.whole_module or any(a == mlp.fqn or a.startswith(mlp.fqn + ".") for a in attns):
+    holds_attention = any(a == mlp.fqn or a.startswith(mlp.fqn + ".") for a in attns)
+    # The MLP's own class and its parameter-free children's (an activation module acts on the hidden activations
+    # too; a child with parameters, such as BitNet's ffn_sub_norm, is named by the rule below).
+    classes = [type(m)] + [type(c) for c in m.children() if not is_linear(c) and next(c.parameters(), None) is None]
+    found = {} if holds_attention else {c: sorted(set(_REDUCTION.findall(_source(c)))) for c in classes}
+    where = next((c for c in classes if found.get(c)), None)
+    if where is not None:
+        # Gemma 3n's activation sparsity (_gaussian_topk) cuts the gate activations at mean + k * std over the
+        # hidden dim: split, each rank used its own half's mean and std, and trained wrong with no error (loss
+        # 5.78 against 7.23 after 3 steps at lr 0.5). Of transformers 5.24's 354 *MLP classes it is the only one
+        # with a reduction (besides Zaya's router); the source cannot say over which dim, so any one blocks.
+        owner = type(m).__name__ if where is type(m) else f"{type(m).__name__}'s child {where.__name__}"
+        return (
+            f"{owner} reduces over a dim in its code ({', '.join(found[where])}): over the split hidden "
+            "activations each rank would use its own shard's values"
+        )
+    if mlp.whole_module or holds_attention:
         return ""
     if any(isinstance(c, nn.MultiheadAttention) for c in m.modules()):
         return ""  # nn.TransformerEncoderLayer: linear1/linear2 next to its self_attn and norms
@@ -346,6 +378,12 @@ def _find_sibling_mlp(fqn: str, m: nn.Module, claimed: set[str]) -> _Mlp | None:
         if _join(fqn, c, n) not in claimed
     }
     return _match_mlp(fqn, lin, False)
+
+
+# A reduction call in an MLP class's source (``x.mean(-1)``, ``torch.std(x, dim=-1)``, ``x.topk(k)``, ...).
+_REDUCTION = re.compile(
+    r"(?<![\w])(?:torch\.)?\.?(mean|std|var|sum|amax|amin|topk|softmax|log_softmax|logsumexp|sort|argsort|cumsum|norm)\s*\("
+)
 
 
 def _source(obj) -> str:
@@ -610,9 +648,11 @@ def auto_tp_plan(
             )
         )
     ]
-    # MLP hidden sizes must divide, and nothing but the MLP's Linears may act on its (split) hidden activations.
+    # MLP hidden sizes must divide, and nothing but the MLP's Linears may act on its (split) hidden activations;
+    # the pair must read and write a stream width (what the attentions read), else it is a bottleneck.
+    widths = {linear_dims(modules[a.q[0]])[0] for a in attns.values()} | {modules[f].embed_dim for f in mha}
     for mlp in mlps.values():
-        mlp.reason = _mlp_blocker(mlp, modules, attns, tp)
+        mlp.reason = _mlp_blocker(mlp, modules, attns, tp, widths)
         mlp.sharded = not mlp.reason
 
     # ---- can sequence parallel run?

@@ -227,7 +227,7 @@ _DECODERS: dict[str, tuple[str, str, dict]] = {
     "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(_LLAMA_SIZES, **_GQA, head_dim=16, num_experts=4,
               num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32, num_dense_layers=1,
               global_attn_every_n_layers=2, sliding_window=4, eos_token_id=1, pad_token_id=0, bos_token_id=0)),
-    # ---- the 2026-11 sweep (tests/test_hf_decoders.py: plan check by default, training under `slow`)
+    # ---- further families (tests/test_hf_decoders.py: plan check and training under `slow`, but Gemma 3n and 4)
     # MoE with q/k RMSNorm over the whole projection width (as OLMo 2) and clipped q/k/v
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_LLAMA_SIZES, **_GQA, num_experts=4, num_experts_per_tok=2,
               intermediate_size=32, clip_qkv=8.0, eos_token_id=1, pad_token_id=0, bos_token_id=0)),

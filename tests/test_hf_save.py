@@ -41,7 +41,7 @@ def _loader(family: str):
 # qkv): save_hf_pretrained refuses them with the recipe that works (gather on rank 0, transformers saves).
 CONVERTED_ON_SAVE = {
     *("gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "afmoe"),
-    # the 2026-11 decoder sweep: fused 3-D experts (and Qwen3-Next's, MiniMax's, GraniteMoE's other conversions)
+    # further decoder families: fused 3-D experts (and Qwen3-Next's, MiniMax's, GraniteMoE's other conversions)
     *("olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "deepseek_v2", "longcat_flash", "glm4_moe"),
     *("ernie4_5_moe", "hunyuan_v1_moe", "dots1", "lfm2_moe", "phimoe", "qwen3_next", "minimax"),
 }

@@ -7,8 +7,8 @@ the same global batches (2 gloo ranks):
   with tied embeddings (gpt2) and two optimizer param groups continues under FSDP 2, full and sharded.
 * Trainer: 2 steps with TP 2, a sharded ``save_checkpoint``, ``fit(ckpt_path=...)`` with FSDP 2 for 2 more steps
   (AdamW, a StepLR scheduler): equals 4 one-process steps, with the optimizer and scheduler state carried. The
-  rows each step trained on are recorded, not predicted: after ``fit`` stopped at ``max_steps``, Lightning counts
-  the epoch as done, so the resumed run starts epoch 1 (another sampler shuffle), on one device as well.
+  rows each step trained on are recorded, not predicted: the resumed run is handed the first batches of epoch 1's
+  shuffle (DistributedSampler seed 0, epoch 1), not the rest of epoch 0 (Lightning's loop decides this).
 """
 
 from __future__ import annotations

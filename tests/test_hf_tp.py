@@ -92,6 +92,7 @@ def test_auto_plan_tp2_matches_single_process(family):
     _check_family(family, tp_mesh)
 
 
+@pytest.mark.slow  # about 23 s on 4 ranks; `./dev test -m slow` runs it
 @distributed(world_size=4)
 def test_auto_plan_fsdp2_x_tp2_matches_single_process():
     root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))

@@ -103,6 +103,7 @@ def test_parity_and_broken_model_through_the_plugin(pytester):
         assert outcomes.get("passed") == 3, result.stdout.str()
 
 
+@pytest.mark.slow  # about 10 s (a pytest run in new processes); `./dev test -m slow` runs it
 def test_standalone_env_keeps_only_standalone_tests(pytester):
     pytester.makepyfile(
         test_sel=textwrap.dedent(

@@ -93,6 +93,16 @@ def dispatch(func, args: tuple, kwargs: dict):
     handler = _custom_handler(func)
     if handler is not None:
         return handler(func, args, kwargs)
+    return dispatch_by_rule(func, args, kwargs)
+
+
+def dispatch_by_rule(func, args: tuple, kwargs: dict):
+    """What ``dispatch`` does for an op with no custom handler: the same-layout pointwise fast path, a cached
+    decision, or the op's rule (the fallback without one). A custom handler that declines an op calls it
+    (``loss_parallel``'s handler of ``aten.add.Tensor`` declines nearly every add of a training step).
+
+    Example: ``dispatch_by_rule(aten.add.Tensor, (a, b), {})`` for DTensors ``a`` and ``b``.
+    """
     fast = _same_layout_pointwise(func, args, kwargs)
     if fast is not None:
         return fast

@@ -38,7 +38,6 @@ from lightning_shard import comm
 from lightning_shard.tensor import dispatch as _dispatch
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.ops import load_rules
-from lightning_shard.tensor.ops._registry import find_rule
 from lightning_shard.tensor.placements import Replicate
 from lightning_shard.tensor.redistribute import redistribute_local
 
@@ -209,9 +208,11 @@ def _add_partial_to_replicated(func, args, kwargs):
     c10d's all-reduce of ``sync_dist`` did not do (each rank logged its own part). Replicated like the loss without
     smoothing, it is one all-reduce of the loss values (one per row at most) here instead."""
     a, b = args[0], args[1]
-    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a.device_mesh != b.device_mesh:
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
-    if tuple(a.shape) != tuple(b.shape):
+    if a._spec.has_partial() == b._spec.has_partial():  # the common case, decided first: every add passes here
+        return None
+    if a.device_mesh != b.device_mesh or tuple(a.shape) != tuple(b.shape):
         return None
     kinds = [(all(p.is_replicate() for p in t.placements), all(p.is_partial() for p in t.placements)) for t in (a, b)]
     if not ((kinds[0][0] and kinds[1][1]) or (kinds[0][1] and kinds[1][0])):
@@ -238,13 +239,11 @@ _SAVED: dict = {}
 
 
 def _ordinary(func, args, kwargs, previous):
-    """What the dispatcher does without our handler (the op's own custom handler, rule or fallback)."""
+    """What the dispatcher does without our handler: the op's own custom handler, else its ordinary dispatch
+    (fast path and decision cache included: the handlers decline most adds of a training step)."""
     if previous is not None:
         return previous(func, args, kwargs)
-    call = _dispatch.make_call(func, args, kwargs)
-    rule = find_rule(func)
-    plan = rule(call) if rule is not None else None
-    return _dispatch._fallback(call) if plan is None else _dispatch.run_plan(call, plan)
+    return _dispatch.dispatch_by_rule(func, args, kwargs)
 
 
 def _make(handler, previous):

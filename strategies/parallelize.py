@@ -211,13 +211,8 @@ def _resize_keeps_real_embeddings(kept_real: list[int]) -> Callable[[], None]:
     resizing embeddings that hold values builds the new ones on the host (``kept_real[0] > 0`` meanwhile); returns
     the function that unwraps it. Embeddings on meta (a model built from its config) are resized on meta, without
     ``mean_resizing`` (it needs the old rows' values)."""
-    if "transformers" not in sys.modules:
-        return lambda: None  # no Hugging Face model can be built without importing transformers first
-    try:  # transformers imports its modules lazily: the model may be built, and resized, inside the context
-        from transformers.modeling_utils import PreTrainedModel as cls
-    except ImportError:
-        return lambda: None
-    if "resize_token_embeddings" not in cls.__dict__:
+    cls = _pretrained_model_class()
+    if cls is None or "resize_token_embeddings" not in cls.__dict__:
         return lambda: None
     original = cls.__dict__["resize_token_embeddings"]
 
@@ -363,11 +358,22 @@ def _padding_rows_zeroed_on_shards(model: nn.Module) -> Iterator[None]:
                     m.weight._local_tensor[local_row].zero_()
 
 
+def _pretrained_model_class() -> type | None:
+    """transformers' ``PreTrainedModel``, or ``None`` when transformers was never imported (then no Hugging Face
+    model exists; importing it here would cost seconds for nothing)."""
+    if "transformers" not in sys.modules:
+        return None
+    try:  # transformers imports its submodules lazily
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:
+        return None
+    return PreTrainedModel
+
+
 def _outermost_hugging_face_models(model: nn.Module) -> list[nn.Module]:
     """The ``transformers.PreTrainedModel`` instances in ``model`` that no other one contains (none if
     transformers was never imported: nothing can be one)."""
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None)
+    pretrained = _pretrained_model_class()
     if pretrained is None:
         return []
     found: list[nn.Module] = []

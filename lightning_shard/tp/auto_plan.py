@@ -59,6 +59,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import warnings
@@ -386,7 +387,10 @@ _REDUCTION = re.compile(
 )
 
 
+@functools.cache
 def _source(obj) -> str:
+    """The source of a class or function ("" where there is none); read once per object (a plan reads each
+    block's classes once per block)."""
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):

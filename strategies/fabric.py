@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -396,7 +396,9 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
                     f"shard_fsdp_tp (Fabric): load_raw needs a file with a model state dict; {path} is a directory. "
                     "Use fabric.load(path, {'model': model})"
                 )
-            set_model_state_dict(state, loading.load_full_file(path), strict=strict)
+            state_dict = loading.load_full_file(path)
+            _refuse_a_whole_checkpoint(path, state, state_dict)
+            set_model_state_dict(state, state_dict, strict=strict)
             return {}
         if isinstance(state, Optimizer):
             raise ValueError(
@@ -492,6 +494,25 @@ class _NoSync(AbstractContextManager):
     def __exit__(self, *exc: Any) -> None:
         for m in self.fsdp_modules:
             m.set_requires_gradient_sync(True, recurse=False)
+
+
+def _refuse_a_whole_checkpoint(path: Path, module: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Raise when ``load_raw(path, module)`` was given a whole ``fabric.save`` file (``{"model": {...}, ...}``)
+    instead of a model state dict: none of the module's keys is at the top level, but one entry holds them.
+
+    Why: with ``strict=False`` nothing would be loaded and nothing said; with ``strict=True`` the error listed
+    every parameter as missing without saying where they are.
+    """
+    own = module.state_dict(keep_vars=True).keys()
+    if not own or any(key in state_dict for key in own):
+        return
+    holders = [k for k, v in state_dict.items() if isinstance(v, Mapping) and any(key in v for key in own)]
+    if holders:
+        raise ValueError(
+            f"shard_fsdp_tp (Fabric): {path} is a whole checkpoint whose entry {holders[0]!r} holds the model's "
+            f"state dict (top-level keys: {sorted(state_dict)[:6]}); load_raw needs a plain model state dict. "
+            f"Use fabric.load(path, {{{holders[0]!r}: model}})"
+        )
 
 
 def _the_module(state: dict[str, Any], what: str) -> tuple[str, nn.Module]:

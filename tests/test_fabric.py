@@ -282,3 +282,19 @@ def _tmpdir() -> str:
 def test_unsupported_precision_is_refused_with_the_supported_list():
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):
         L.Fabric(accelerator="cpu", devices=1, strategy="shard_fsdp_tp", precision="64-true")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@distributed(world_size=2)
+def test_load_raw_of_a_whole_checkpoint_points_to_load(strict):
+    """``load_raw`` of a whole ``fabric.save`` file raises naming the entry and ``fabric.load``: with
+    ``strict=False`` it loaded nothing and said nothing."""
+    fabric = _fabric(strategy=strategies.ShardFSDPTPFabricStrategy(state_dict_type="full"))
+    path = os.path.join(_tmpdir(), "whole.ckpt")
+    model = fabric.setup_module(make_model(0))
+    fabric.save(path, {"model": model, "step": 1})
+    other = fabric.setup_module(make_model(1))
+    before = full_state(other.module)
+    with pytest.raises(ValueError, match=r"entry 'model' holds the model's state dict.*fabric.load\(path, \{'model'"):
+        fabric.load_raw(path, other, strict=strict)
+    assert max_diff(full_state(other.module), before) == 0

@@ -62,7 +62,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, loading, parallelize, unsupported
+from strategies import auto, finetuning, loading, parallelize, unsupported
 from strategies.compile import compile_fsdp_units
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
@@ -660,6 +660,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # all-gather then pairs with nothing (gloo: a collective-mismatch crash; NCCL: a hang). DDP survives this
     # (no collectives in an eval forward), a sharded model cannot. Validation and test pad through
     # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
+
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._check_batch_counts_alike("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
@@ -784,6 +788,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             optim_states = [
                 checkpoint.pop(f"optimizer_{i}") for i in range(len(optimizers)) if f"optimizer_{i}" in checkpoint
             ]
+        finetuning.restore_param_groups(self.lightning_module.trainer, checkpoint.get("callbacks") or {})
         pairs = list(zip(optimizers, optim_states or []))
         for optimizer, optim_state in pairs:  # before the model is touched
             check_optimizer_state_dict(self.model, optimizer, optim_state)
@@ -793,6 +798,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return checkpoint
 
     def _load_sharded(self, path: Path, optimizers: list, strict: bool, trusted: bool = False) -> dict[str, Any]:
+        try:  # verified before the load, so a damaged meta.pt changes nothing either
+            meta = _read_meta(path, weights_only=not trusted)
+        except CheckpointSecurityError as e:
+            raise _untrusted_objects(path / META_FILE, e) from e
+        # the param groups a finetuning callback added, before the optimizer templates are built from them
+        finetuning.restore_param_groups(self.lightning_module.trainer, meta.get("callbacks") or {})
         keys = loading.saved_keys(path)
         saved = _top_level_entries(keys)
         state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
@@ -806,10 +817,6 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 if f"optimizer_{i}" in loaded:
                     check_param_groups(self.model, optimizer, loaded[f"optimizer_{i}"])
 
-        try:  # verified before the load, so a damaged meta.pt changes nothing either
-            meta = _read_meta(path, weights_only=not trusted)
-        except CheckpointSecurityError as e:
-            raise _untrusted_objects(path / META_FILE, e) from e
         load(state, path, strict=strict, before_commit=check_optimizers)
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in state:  # tensors are in place already; this sets the hyperparameters

@@ -86,6 +86,31 @@ def test_backbone_finetuning_under_tensor_parallelism_equals_one_process():
     assert q.to_local().shape[0] * 2 == q.shape[0]
 
 
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@distributed(world_size=2)
+def test_backbone_finetuning_resumed_after_the_unfreezing_equals_the_uninterrupted_run(state_dict_type, tmp_path):
+    """The param group the callback added is rebuilt from its saved state before the optimizer state loads (the
+    load refused the added group's state: "22 unexpected keys"), and holds trainable parameters again (Lightning's
+    own resume, one process or DDP, leaves them frozen: docs/strategy.md)."""
+    path = _shared_path(tmp_path, "unfrozen.ckpt")
+
+    def trainer(epochs: int):
+        strategy = strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type)
+        callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+        return _trainer(strategy=strategy, max_steps=-1, limit_train_batches=3, max_epochs=epochs, callbacks=callbacks)
+
+    straight, first, resumed = Backbone(), Backbone(), Backbone()
+    trainer(3).fit(straight)
+    interrupted = trainer(2)
+    interrupted.fit(first)
+    interrupted.save_checkpoint(path)
+    again = trainer(3)
+    again.fit(resumed, ckpt_path=path)
+    assert [g["lr"] for g in again.optimizers[0].param_groups] == [0.1, pytest.approx(0.02)]  # lr / 10, doubled
+    assert _worst(_full(resumed), _full(straight)) < 1e-6
+    assert _worst(_full(resumed), _full(first)) > 1e-3  # the resumed epoch trained
+
+
 class Summarized(Flow):
     def __init__(self, arch: str = "gpt", mirrors: int | None = None) -> None:
         super().__init__(arch, mirrors)

@@ -6,7 +6,8 @@ same global batches, or checked to raise a clear error on every rank:
   parameters: a DTensor mixing error at the first update) are refused at setup with the ``AveragedModel``
   alternative, as ``StochasticWeightAveraging`` is (tests/test_copies.py);
 * ``BackboneFinetuning`` under TP: the backbone frozen before sharding, unfrozen at epoch 1 into a new param group
-  of the sharded parameters (FSDP: tests/test_fsdp_requires_grad.py);
+  of the sharded parameters (FSDP: tests/test_fsdp_requires_grad.py); resumed from a checkpoint taken after the
+  unfreezing, equal to the uninterrupted run (the load refused the added group's optimizer state);
 * ``ModelSummary`` and ``summarize``: the full model's parameter counts, size and FLOPs, as one process reports them;
   ``estimated_stepping_batches``; ``ThroughputMonitor`` (with ``measure_flops``) and ``DeviceStatsMonitor`` log,
   and under TP the throughput monitor's over-count is warned about;

@@ -208,7 +208,7 @@ class Saving(Flow):
 BOTH_FORMATS = [("gpt", 1, "sharded"), ("llama", 2, "full")]
 
 
-@pytest.mark.slow  # 3 fits of 2-3 epochs and 3 more short ones: 34 s and 20 s on a loaded 2-core machine
+@pytest.mark.slow  # 3 fits of 2-3 epochs and 4 short ones: 7-8 s each with a warm pool (20-34 s at load 9+)
 @pytest.mark.parametrize(("arch", "tp", "state_dict_type"), BOTH_FORMATS)
 @distributed(world_size=2)
 def test_resume_from_last_equals_uninterrupted_and_checkpoints_load_in_one_process(arch, tp, state_dict_type, tmp_path):

@@ -8,9 +8,9 @@ same global batches, or checked to raise a clear error on every rank:
 * ``BackboneFinetuning`` under TP: the backbone frozen before sharding, unfrozen at epoch 1 into a new param group
   of the sharded parameters (FSDP: tests/test_fsdp_requires_grad.py); resumed from a checkpoint taken after the
   unfreezing, equal to the uninterrupted run (the load refused the added group's optimizer state);
-* ``ModelSummary`` and ``summarize``: the full model's parameter counts, size and FLOPs, as one process reports them;
-  ``estimated_stepping_batches``; ``ThroughputMonitor`` (with ``measure_flops``) and ``DeviceStatsMonitor`` log,
-  and under TP the throughput monitor's over-count is warned about;
+* ``ModelSummary``, ``RichModelSummary`` and ``summarize``: the full model's parameter counts, size and FLOPs, as
+  one process reports them; ``estimated_stepping_batches``; ``ThroughputMonitor`` (with ``measure_flops``) and
+  ``DeviceStatsMonitor`` log, and under TP the throughput monitor's over-count is warned about;
 * ``ModelCheckpoint(every_n_train_steps=..., save_top_k=2, save_last=True)`` and ``fit(ckpt_path="last")`` equal to
   an uninterrupted run, user keys from ``on_save_checkpoint`` back in ``on_load_checkpoint``, ``save_weights_only``
   and a user's ``trainer.save_checkpoint`` in ``on_train_epoch_end`` loading in one plain process, and
@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import (
     DeviceStatsMonitor,
     EMAWeightAveraging,
     ModelCheckpoint,
+    RichModelSummary,
     ThroughputMonitor,
     WeightAveraging,
 )
@@ -121,9 +122,11 @@ class Summarized(Flow):
 @pytest.mark.parametrize(("arch", "tp"), CASES)
 @distributed(world_size=2)
 def test_model_summary_reports_the_full_model(arch, tp):
-    # enable_model_summary: the ModelSummary callback's forward of example_input_array runs on every rank
+    # enable_model_summary: the ModelSummary callback's forward of example_input_array runs on every rank (under
+    # TP the RichModelSummary callback's, the same summary drawn with rich)
     loops = dict(max_steps=-1, max_epochs=1, limit_train_batches=0.25)
-    trainer = _trainer(strategy=_strategy(tp), enable_model_summary=True, **loops)
+    rich = [RichModelSummary(max_depth=2)] if tp > 1 else []
+    trainer = _trainer(strategy=_strategy(tp), enable_model_summary=True, callbacks=rich, **loops)
     ours = Summarized(arch)
     trainer.fit(ours)
     dp = dist.get_world_size() // tp

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
@@ -43,6 +44,7 @@ from torch import nn
 
 from lightning_shard import comm
 from lightning_shard.checkpoint import (
+    CheckpointSecurityError,
     check_optimizer_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -60,7 +62,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, loading, parallelize
+from strategies import auto, finetuning, loading, parallelize, unsupported
 from strategies.compile import compile_fsdp_units
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
@@ -292,7 +294,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
-        _refuse_unsupported_callbacks(self.lightning_module)  # on every rank, before the process group exists
+        unsupported.refuse_callbacks(self.lightning_module)  # on every rank, before the process group exists
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -302,6 +304,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         self._device_mesh = self._build_mesh()
         self.lightning_module._device_mesh = self._device_mesh
+        unsupported.warn_throughput_under_tp(self.lightning_module, self._device_mesh.size("tensor_parallel"))
         # The engine's one-time loads (numba kernels, DTensor op rules) now, before the model exists: neither the
         # first step nor the memory around the model pays for them (docs/strategy.md).
         warm_kernels(self.root_device)
@@ -506,6 +509,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         else:
             self._parallelize(model)
             model._shard_fsdp_tp_done = True
+        unsupported.refuse_exports(model)
         self.model = model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -656,6 +660,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # all-gather then pairs with nothing (gloo: a collective-mismatch crash; NCCL: a hang). DDP survives this
     # (no collectives in an eval forward), a sharded model cannot. Validation and test pad through
     # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
+
     def on_validation_start(self) -> None:
         super().on_validation_start()
         self._check_batch_counts_alike("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
@@ -754,21 +762,33 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         (ModelParallelStrategy: "state_dict", "optimizer_{i}", ``meta.pt``; FSDPStrategy(state_dict_type="sharded"):
         the same with "model"), our full files, consolidated files,
         and full checkpoints of other Lightning strategies of the same model (DDP: optimizer state keyed by
-        parameter index, matched by parameter order)."""
+        parameter index, matched by parameter order).
+
+        Lightning's part of the checkpoint (loops, callbacks, what ``on_save_checkpoint`` added) is unpickled
+        with ``weights_only=True`` (classes allowlisted with ``torch.serialization.add_safe_globals`` load too)
+        unless the caller passes ``weights_only=False``: then the objects it holds are rebuilt, running their
+        code, so only for checkpoints you trust."""
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
+        trusted = weights_only is False
         _check_seen_alike(path)
         if path.is_dir():
-            return self._load_sharded(path, optimizers, strict)
+            return self._load_sharded(path, optimizers, strict, trusted)
         if not path.is_file():
             raise FileNotFoundError(f"shard_fsdp_tp: no checkpoint at {path}")
-        checkpoint = loading.load_full_file(path)
+        try:
+            checkpoint = loading.load_full_file(path, weights_only=not trusted)
+        except pickle.UnpicklingError as e:
+            if "GLOBAL" not in str(e):  # damaged bytes, not a Python object: torch's own error says so
+                raise
+            raise _untrusted_objects(path, e) from e
         optim_states = checkpoint.pop("optimizer_states", None)
         if optim_states is None:
             optim_states = [
                 checkpoint.pop(f"optimizer_{i}") for i in range(len(optimizers)) if f"optimizer_{i}" in checkpoint
             ]
+        finetuning.restore_param_groups(self.lightning_module.trainer, checkpoint.get("callbacks") or {})
         pairs = list(zip(optimizers, optim_states or []))
         for optimizer, optim_state in pairs:  # before the model is touched
             check_optimizer_state_dict(self.model, optimizer, optim_state)
@@ -777,7 +797,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state)
         return checkpoint
 
-    def _load_sharded(self, path: Path, optimizers: list, strict: bool) -> dict[str, Any]:
+    def _load_sharded(self, path: Path, optimizers: list, strict: bool, trusted: bool = False) -> dict[str, Any]:
+        try:  # verified before the load, so a damaged meta.pt changes nothing either
+            meta = _read_meta(path, weights_only=not trusted)
+        except CheckpointSecurityError as e:
+            raise _untrusted_objects(path / META_FILE, e) from e
+        # the param groups a finetuning callback added, before the optimizer templates are built from them
+        finetuning.restore_param_groups(self.lightning_module.trainer, meta.get("callbacks") or {})
         keys = loading.saved_keys(path)
         saved = _top_level_entries(keys)
         state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
@@ -791,7 +817,6 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 if f"optimizer_{i}" in loaded:
                     check_param_groups(self.model, optimizer, loaded[f"optimizer_{i}"])
 
-        meta = _read_meta(path)  # verified before the load, so a damaged meta.pt changes nothing either
         load(state, path, strict=strict, before_commit=check_optimizers)
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in state:  # tensors are in place already; this sets the hyperparameters
@@ -923,6 +948,24 @@ def _read_meta(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
         raise undecodable(str(meta_file), "Lightning's checkpoint state", e) from e
 
 
+def _untrusted_objects(path: Path, error: Exception) -> CheckpointSecurityError:
+    """The error for Lightning's checkpoint part holding Python objects (e.g. from ``on_save_checkpoint``) when
+    loaded with ``weights_only=True``: which file, which class, and the opt-in for a checkpoint the user trusts.
+
+    Lightning's ``trainer.fit(..., weights_only=False)`` does not reach strategies that restore the checkpoint
+    after setup (this one, and Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy``: ``Trainer._run`` drops
+    the argument there), so the opt-in named is torch's allowlist, which ``weights_only=True`` loads honour."""
+    reason = next((line for line in str(error).splitlines() if "GLOBAL" in line), str(error).splitlines()[0])
+    return CheckpointSecurityError(
+        f"shard_fsdp_tp: {path} holds Python objects beyond tensors and plain containers ({reason.strip()}), "
+        "e.g. something on_save_checkpoint or a callback stored; they are not unpickled by default because "
+        "unpickling runs their code. If you trust this checkpoint, allowlist their classes on every rank before "
+        "the Trainer loads it: torch.serialization.add_safe_globals([TheClass]) (or `with "
+        "torch.serialization.safe_globals([TheClass]): trainer.fit(...)`); or store plain values (tensors, "
+        "numbers, strings, lists, dicts) instead"
+    )
+
+
 def _memory_line(model: nn.Module, summary: dict) -> str:
     """The startup summary's memory line: parameters in full vs on this rank (rank 0's shards), and what the
     gradients and an Adam optimizer add, so a user sees the sharded footprint before the first step. Records
@@ -986,26 +1029,6 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 else:
                     moved[id(t)] = t.detach().to(device)
             module._buffers[name] = moved[id(t)]
-
-
-def _refuse_unsupported_callbacks(module) -> None:
-    """Callbacks that cannot work on a sharded model raise here, naming the fix (Lightning's FSDPStrategy
-    refuses the same ones).
-
-    ``StochasticWeightAveraging`` keeps a deep copy of the unsharded LightningModule (the whole model on every
-    rank) and averages it with the sharded parameters, which mixes full tensors with shards.
-    """
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-    trainer = getattr(module, "_trainer", None)
-    for callback in getattr(trainer, "callbacks", None) or []:
-        if isinstance(callback, StochasticWeightAveraging):
-            raise ValueError(
-                "shard_fsdp_tp: the StochasticWeightAveraging callback does not support sharded models (it keeps "
-                "an unsharded copy of the whole model on every rank); remove it. For a weight average, build a second "
-                "copy of the model in configure_model (the strategy shards it like the first) and update it from "
-                "the trained parameters under torch.no_grad(), e.g. avg.lerp_(param, 0.1), in on_train_batch_end"
-            )
 
 
 def _top_level_entries(keys: set[str]) -> set[str]:

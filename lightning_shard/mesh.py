@@ -284,10 +284,15 @@ def init_device_mesh(
     mesh_shape: Sequence[int],
     *,
     mesh_dim_names: tuple[str, ...] | None = None,
+    rank_order: Sequence[int] | None = None,
 ) -> DeviceMesh:
     """Build a mesh of shape ``mesh_shape`` over all ranks (row-major), initialising the default process
     group from the environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, as torchrun and
     SLURM launchers set) when it does not exist yet, or as a single process when those are unset.
+
+    ``rank_order`` (not in torch's signature) lays the mesh over the global ranks in that order instead of
+    ``0..world-1``: the ranks listed node by node when the launcher did not number them so (SLURM's cyclic
+    distribution), so that the innermost dimension (tensor parallel) stays within a node.
 
     Every check runs locally before any collective, so bad input raises the same ``ValueError`` on every
     rank instead of hanging.
@@ -312,8 +317,18 @@ def init_device_mesh(
     else:
         _init_default_group(device_type)
     _set_device_if_unset(device_type)
-    mesh = torch.arange(world_size, dtype=torch.int64).reshape(mesh_shape)
+    mesh = _rank_grid(world_size, rank_order).reshape(mesh_shape)
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
+
+
+def _rank_grid(world_size: int, rank_order: Sequence[int] | None) -> torch.Tensor:
+    """``rank_order`` (default ``0..world_size-1``) as a tensor, checked to hold every rank exactly once."""
+    if rank_order is None:
+        return torch.arange(world_size, dtype=torch.int64)
+    order = [int(r) for r in rank_order]
+    if sorted(order) != list(range(world_size)):
+        raise ValueError(f"init_device_mesh: rank_order {order} must list every rank 0..{world_size - 1} exactly once")
+    return torch.tensor(order, dtype=torch.int64)
 
 
 def group_backend(device_type: str) -> str | None:

@@ -1,0 +1,287 @@
+"""Multi-node launches simulated on one machine: ``Trainer(num_nodes=2, devices=2)`` on 4 gloo ranks whose
+environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_RANK``) or SLURM (``SLURM_NODEID``,
+``SLURM_LOCALID``, ``SLURM_PROCID``) sets it, so Lightning picks ``TorchElasticEnvironment`` or
+``SLURMEnvironment``. Each flow is compared with one process on the same global batches:
+
+* the mesh: tensor-parallel groups and ``HYBRID_SHARD``'s shard groups hold the ranks of one node, data
+  parallelism and the replicas run across nodes, also when SLURM numbers the ranks cyclically (rank 0 and 1 on
+  different nodes; a mesh laid out by global rank put every TP group across the two nodes);
+* checkpoints: a sharded checkpoint written on 2 nodes resumes on 1 node x 2 ranks and on 1 process, equal to one
+  process training on; a full checkpoint is written by global rank 0 alone;
+* a launched world that is not ``devices x num_nodes`` (or node and local ranks that do not tile the nodes) raises
+  a ``ValueError`` on every rank at ``Trainer(...)`` or setup, before any collective could wait for a missing rank;
+* ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost.
+
+Paths one node cannot see (node-local disks) are tests/test_faults_shared_fs.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+import strategies
+import strategies.strategy as strategy_module
+from strategies import nodes
+from tests.harness import distributed, run_distributed
+from tests.lightning_models import LitGPT, reference_params
+from tests.test_checkpoint_interop_fsdp import epochs
+from tests.test_checkpoint_interop_fsdp_sharded import LR, AdamGPT, _optim_state, _params, reference
+from tests.test_strategy import _trainer
+
+TP_TOL = 5e-5  # TP shards reduce in another order than one process
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+_LAUNCH_VARS += ("TORCHELASTIC_RUN_ID",)
+
+
+@contextmanager
+def _environment(values: dict[str, object]) -> Iterator[None]:
+    """This rank's launcher variables replaced by ``values``, restored afterwards (the worker runs other tests
+    next; a monkeypatch fixture pickled into a worker is never undone)."""
+    saved = dict(os.environ)
+    for key in _LAUNCH_VARS:
+        os.environ.pop(key, None)
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _torchrun(node: int, local: int, per_node: int = 2, nodes_: int = 2) -> dict[str, object]:
+    """torchrun's variables: ranks numbered node by node (``RANK = GROUP_RANK * nproc + LOCAL_RANK``)."""
+    return dict(RANK=dist.get_rank(), LOCAL_RANK=local, WORLD_SIZE=dist.get_world_size(),
+                LOCAL_WORLD_SIZE=per_node, GROUP_RANK=node, TORCHELASTIC_RUN_ID="multinode",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["MASTER_PORT"])  # fmt: skip
+
+
+def _slurm(node: int, local: int, per_node: int = 2, nodes_: int = 2) -> dict[str, object]:
+    """srun's variables (no torchrun variables: SLURM sets none of them)."""
+    return dict(SLURM_NTASKS=dist.get_world_size(), SLURM_PROCID=dist.get_rank(), SLURM_LOCALID=local,
+                SLURM_NODEID=node, SLURM_NNODES=nodes_, SLURM_NTASKS_PER_NODE=per_node, SLURM_JOB_NAME="train",
+                SLURM_JOB_ID=4242, SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=os.environ["MASTER_PORT"])  # fmt: skip
+
+
+# global rank -> (node, local rank): torchrun and Lightning number node by node; srun --distribution=cyclic deals
+# the ranks round-robin over the nodes
+LAYOUTS = {
+    "torchrun": (_torchrun, lambda r: (r // 2, r % 2), TorchElasticEnvironment),
+    "slurm_block": (_slurm, lambda r: (r // 2, r % 2), SLURMEnvironment),
+    "slurm_cyclic": (_slurm, lambda r: (r % 2, r // 2), SLURMEnvironment),
+}
+
+
+def _launched(layout: str):
+    make, place, _ = LAYOUTS[layout]
+    return _environment(make(*place(dist.get_rank())))
+
+
+def _nodes_of(group: dist.ProcessGroup, node: int) -> set[int]:
+    """The node of every rank of ``group``."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, node)
+    return {everyone[r] for r in dist.get_process_group_ranks(group)}
+
+
+def _two_nodes(strategy, **kwargs) -> L.Trainer:
+    return _trainer(devices=2, num_nodes=2, strategy=strategy, **kwargs)
+
+
+# ------------------------------------------------------------------ mesh layout
+@pytest.mark.parametrize("layout", ["torchrun", "slurm_cyclic"])
+@distributed(world_size=4)
+def test_tp_groups_stay_within_a_node_and_train_like_one_process(layout):
+    """TP 2 over the 2 local ranks of each node, data parallel across the nodes."""
+    node, _ = LAYOUTS[layout][1](dist.get_rank())
+    with _launched(layout):
+        module = LitGPT(arch="llama")
+        trainer = _two_nodes(strategies.ShardFSDPTPStrategy(tensor_parallel_size=2), max_steps=3)
+        trainer.fit(module)
+        assert isinstance(trainer.strategy.cluster_environment, LAYOUTS[layout][2])
+    mesh = trainer.strategy.device_mesh
+    assert _nodes_of(mesh.get_group("tensor_parallel"), node) == {node}
+    assert _nodes_of(mesh.get_group("data_parallel"), node) == {0, 1}
+    ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
+    ref = reference_params(3, world=2, arch="llama")  # 2 data-parallel ranks of 4 samples each
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < TP_TOL
+
+
+@pytest.mark.parametrize("layout", ["slurm_block", "slurm_cyclic"])
+@distributed(world_size=4)
+def test_hybrid_shard_shards_within_a_node_and_replicates_across_nodes(layout):
+    node, _ = LAYOUTS[layout][1](dist.get_rank())
+    with _launched(layout):
+        module = LitGPT()
+        trainer = _two_nodes(strategies.ShardFSDPTPStrategy(sharding_strategy="HYBRID_SHARD"), max_steps=3)
+        trainer.fit(module)
+    mesh = trainer.strategy.device_mesh
+    assert mesh.shape == (2, 2, 1)
+    assert _nodes_of(mesh.get_group("data_parallel"), node) == {node}  # the shard group
+    assert _nodes_of(mesh.get_group("replicate"), node) == {0, 1}
+    local = module.model.blocks[0].up.weight.to_local()  # half the rows: sharded over the node's 2 ranks ...
+    assert local.shape[0] * 2 == module.model.blocks[0].up.weight.shape[0]
+    replicas = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(replicas, local, group=mesh.get_group("replicate"))
+    assert torch.equal(replicas[0], replicas[1])  # ... and the same half on the other node after training
+    ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
+    ref = reference_params(3, world=4)  # 4 data-parallel ranks of 4 samples each
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_tp_size_that_splits_a_node_is_reported():
+    assert not nodes.tp_crosses_nodes(2, devices=2, num_nodes=2)
+    assert not nodes.tp_crosses_nodes(2, devices=4, num_nodes=2)
+    assert nodes.tp_crosses_nodes(4, devices=2, num_nodes=2)  # TP 4 over nodes of 2
+    assert nodes.tp_crosses_nodes(2, devices=3, num_nodes=2)  # a TP pair straddles the nodes
+    assert not nodes.tp_crosses_nodes(4, devices=2, num_nodes=1)
+
+
+# ------------------------------------------------------------------ checkpoints
+def _write_on_two_nodes(sharded: str, full: str) -> None:
+    """One epoch of TP 2 x DP 2 over 2 cyclically numbered SLURM nodes; a sharded and a full checkpoint."""
+    written = []
+    original = strategy_module._write_atomically
+    strategy_module._write_atomically = lambda *a: written.append(a[1]) or original(*a)
+    try:
+        with _launched("slurm_cyclic"):
+            trainer = _two_nodes(strategies.ShardFSDPTPStrategy(tensor_parallel_size=2), max_epochs=1, max_steps=-1)
+            trainer.fit(AdamGPT(lr=LR, arch="llama", per_rank_batch=4))  # global batch 8, as one process's
+            trainer.save_checkpoint(sharded)
+            trainer.strategy.state_dict_type = "full"
+            trainer.save_checkpoint(full)
+    finally:
+        strategy_module._write_atomically = original
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [str(p) for p in written])
+    assert everyone == [[full], [], [], []]  # global rank 0 (SLURM_PROCID 0) alone writes the full file
+
+
+def _resume(path: str) -> None:
+    """One more epoch from the 2-node checkpoint on this world (FSDP only); equal to one process's AdamW."""
+    module = AdamGPT(lr=0.5, arch="llama", per_rank_batch=8 // dist.get_world_size())
+    trainer = _trainer(max_epochs=2, max_steps=-1)
+    trainer.fit(module, ckpt_path=path)
+    assert trainer.global_step == 16
+    params, state = reference(epochs(2), arch="llama")
+    mine = _optim_state(module, trainer.optimizers[0])
+    assert mine.keys() == state.keys()
+    ours = _params(module)
+    worst = max((ours[k] - params[k]).abs().max().item() for k in params)
+    worst_state = max((mine[k][s] - state[k][s]).abs().max().item() for k in state for s in state[k])
+    assert worst < TP_TOL and worst_state < TP_TOL, (worst, worst_state)
+
+
+def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path):
+    sharded, full = str(tmp_path / "sharded"), str(tmp_path / "full.ckpt")
+    run_distributed(_write_on_two_nodes, 4, sharded, full)
+    params, _ = reference(epochs(1), arch="llama")
+    saved = torch.load(full, weights_only=True)["state_dict"]  # the full file: one process's epoch
+    assert max((saved[k] - params[k]).abs().max().item() for k in params) < TP_TOL
+    run_distributed(_resume, 2, sharded)
+    run_distributed(_resume, 1, sharded)
+
+
+# ------------------------------------------------------------------ launched world vs devices x num_nodes
+@distributed(world_size=2)
+def test_world_size_other_than_devices_times_num_nodes_raises_on_every_rank():
+    rank = dist.get_rank()
+    with _environment(_torchrun(node=0, local=rank)):  # torchrun --nnodes=1 --nproc-per-node=2
+        with pytest.raises(ValueError, match=r"devices=2 x num_nodes=2 = 4 processes, but TorchElasticEnvironment "
+                           r"reports a world size of 2.*--nproc-per-node"):  # fmt: skip
+            _two_nodes("shard_fsdp_tp")
+        with pytest.raises(ValueError, match=r"devices=1 x num_nodes=1 = 1 processes.*world size of 2"):
+            _trainer(devices=1, strategy=strategies.ShardFSDPTPStrategy())
+        with pytest.raises(ValueError, match=r"devices=2 x num_nodes=2 = 4 processes, but TorchElasticEnvironment"):
+            L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy="shard_fsdp_tp")
+    slurm = _environment(_slurm(node=0, local=rank, per_node=2, nodes_=1))
+    with slurm, pytest.raises(ValueError, match=r"SLURMEnvironment reports a world size of 2"):
+        _two_nodes("shard_fsdp_tp")
+    dist.barrier()  # every rank raised; none is left in a collective
+
+
+@distributed(world_size=2)
+def test_node_and_local_ranks_that_do_not_tile_the_nodes_raise_on_every_rank():
+    """Both ranks claim node 0, local rank 0 (a launcher script that exports the same NODE_RANK on every node)."""
+    with _environment(_slurm(node=0, local=0, per_node=1, nodes_=2)):
+        trainer = _trainer(devices=1, num_nodes=2, max_steps=1)
+        with pytest.raises(ValueError, match=r"not 1 per node on 2 nodes.*rank 1: node 0 local 0"):
+            trainer.fit(LitGPT())
+    dist.barrier()
+
+
+# ------------------------------------------------------------------ real torchrun agents
+_SCRIPT = """
+import sys, torch, torch.distributed as dist
+import strategies
+from tests.lightning_models import LitGPT
+from tests.test_strategy import _trainer
+
+module = LitGPT(arch="llama")
+trainer = _trainer(devices=2, num_nodes=2, strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2),
+                   max_steps=3)
+trainer.fit(module)
+env = trainer.strategy.cluster_environment
+tp = dist.get_process_group_ranks(trainer.strategy.device_mesh.get_group("tensor_parallel"))
+places = [None] * 4
+dist.all_gather_object(places, (env.node_rank(), type(env).__name__))
+full = {n: p.full_tensor() for n, p in module.model.named_parameters()}
+if dist.get_rank() == 0:
+    torch.save({"params": full, "places": places}, sys.argv[1])
+print("TP", dist.get_rank(), tp, places, flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_train_like_one_process(tmp_path):
+    """``torchrun --nnodes=2 --nproc-per-node=2`` twice on localhost (c10d rendezvous): 2-3 minutes on 2 cores."""
+    script, out = tmp_path / "job.py", tmp_path / "result.pt"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=multinode", str(script), str(out)]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]  # fmt: skip
+    logs = [a.communicate(timeout=900)[0] for a in agents]
+    assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
+    result = torch.load(out, weights_only=True)
+    assert [p[1] for p in result["places"]] == ["TorchElasticEnvironment"] * 4
+    for line in "\n".join(logs).splitlines():
+        if line.startswith("TP "):  # each TP group: the ranks of one node (torchrun's GROUP_RANK)
+            _, _, ranks = line.partition("[")
+            group = [int(r) for r in ranks.partition("]")[0].split(",")]
+            assert len({result["places"][r][0] for r in group}) == 1, line
+    ref = reference_params(3, world=2, arch="llama")
+    assert max((result["params"][k] - ref[k]).abs().max().item() for k in ref) < TP_TOL
+
+
+@distributed(world_size=4)
+def test_init_device_mesh_lays_the_mesh_over_a_rank_order():
+    from lightning_shard import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), rank_order=[0, 2, 1, 3])
+    assert mesh.mesh.tolist() == [[0, 2], [1, 3]]
+    assert dist.get_process_group_ranks(mesh.get_group("tp")) == [[0, 2], [1, 3]][dist.get_rank() % 2]
+    with pytest.raises(ValueError, match=r"rank_order \[0, 0, 1, 3\] must list every rank 0..3 exactly once"):
+        init_device_mesh("cpu", (2, 2), rank_order=[0, 0, 1, 3])

@@ -181,7 +181,7 @@ class DeviceMesh:
         if key not in _GROUP_CACHE:
             mine = None
             for ranks in blocks:
-                group = dist.new_group(ranks, backend=backend, timeout=world_timeout())
+                group = _new_group(ranks, backend)
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -271,7 +271,7 @@ class DeviceMesh:
                 if ranks == list(range(dist.get_world_size())) and backend is None:
                     group = dist.group.WORLD  # a dim spanning the world in order: no new group needed
                 else:
-                    group = dist.new_group(ranks, backend=backend, timeout=world_timeout())
+                    group = _new_group(ranks, backend)
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -329,6 +329,18 @@ def _rank_grid(world_size: int, rank_order: Sequence[int] | None) -> torch.Tenso
     if sorted(order) != list(range(world_size)):
         raise ValueError(f"init_device_mesh: rank_order {order} must list every rank 0..{world_size - 1} exactly once")
     return torch.tensor(order, dtype=torch.int64)
+
+
+def _new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup | None:
+    """The group of ``ranks`` whose group rank is the position in ``ranks``, i.e. the mesh coordinate.
+
+    ``dist.new_group`` sorts the ranks by default: on a mesh line such as ``[0, 2, 1, 3]`` (the ranks listed node
+    by node, see ``init_device_mesh(rank_order=...)``) rank 2 would be group rank 2 but mesh coordinate 1, and every
+    all-gather would assemble the shards in another order than the DTensor's placements say (a wrong result, no
+    error). ``sort_ranks=False`` only where it changes something: torch's TorchComms path refuses it.
+    """
+    keep_order = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+    return dist.new_group(ranks, backend=backend, timeout=world_timeout(), **keep_order)
 
 
 def group_backend(device_type: str) -> str | None:

@@ -5,7 +5,10 @@ environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_R
 
 * the mesh: tensor-parallel groups and ``HYBRID_SHARD``'s shard groups hold the ranks of one node, data
   parallelism and the replicas run across nodes, also when SLURM numbers the ranks cyclically (rank 0 and 1 on
-  different nodes; a mesh laid out by global rank put every TP group across the two nodes);
+  different nodes; a mesh laid out by global rank put every TP group across the two nodes); the mesh is then laid
+  over the ranks node by node, and a mesh line out of rank order (FSDP 4's ``[0, 2, 1, 3]``) must keep its order in
+  its process group (``dist.new_group`` sorts by default; with a sorted group, ``reshard_after_forward=2`` on that
+  line trains 4.3 away from one process, without an error);
 * checkpoints: a sharded checkpoint written on 2 nodes resumes on 1 node x 2 ranks and on 1 process, equal to one
   process training on; a full checkpoint is written by global rank 0 alone;
 * a launched world that is not ``devices x num_nodes`` (or node and local ranks that do not tile the nodes) raises
@@ -17,6 +20,7 @@ Paths one node cannot see (node-local disks) are tests/test_faults_shared_fs.py'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -120,6 +124,18 @@ def test_tp_groups_stay_within_a_node_and_train_like_one_process(layout):
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < TP_TOL
 
 
+@distributed(world_size=4)
+def test_fabric_tp_groups_stay_within_a_node():
+    node, _ = LAYOUTS["slurm_cyclic"][1](dist.get_rank())
+    with _launched("slurm_cyclic"):
+        strategy = strategies.ShardFSDPTPFabricStrategy(tensor_parallel_size=2)
+        fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)
+        fabric.launch()
+    mesh = fabric.strategy.engine.device_mesh
+    assert _nodes_of(mesh.get_group("tensor_parallel"), node) == {node}
+    assert _nodes_of(mesh.get_group("data_parallel"), node) == {0, 1}
+
+
 @pytest.mark.parametrize("layout", ["slurm_block", "slurm_cyclic"])
 @distributed(world_size=4)
 def test_hybrid_shard_shards_within_a_node_and_replicates_across_nodes(layout):
@@ -142,6 +158,33 @@ def test_hybrid_shard_shards_within_a_node_and_replicates_across_nodes(layout):
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
 
 
+@distributed(world_size=4)
+def test_reshard_to_a_node_keeps_the_backward_gather_within_the_node():
+    """``reshard_after_forward=2`` (a 2-way shard kept for backward, "the GPUs of one node") under SLURM's cyclic
+    numbering: the backward all-gather's group is the node's 2 ranks."""
+    node, _ = LAYOUTS["slurm_cyclic"][1](dist.get_rank())
+    with _launched("slurm_cyclic"):
+        module = LitGPT()
+        trainer = _two_nodes(strategies.ShardFSDPTPStrategy(reshard_after_forward=2), max_steps=3)
+        trainer.fit(module)
+    mesh = trainer.strategy.device_mesh
+    assert _nodes_of(mesh.split_group("data_parallel", 2), node) == {node}  # the group FSDP's cache holds
+    ours = {n: p.full_tensor() for n, p in module.model.named_parameters()}
+    ref = reference_params(3, world=4)
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+@distributed(world_size=4)
+def test_tp_groups_that_must_span_nodes_warn():
+    """TP 4 on nodes of 2 devices: allowed (the model may need it), but every TP collective crosses nodes."""
+    with _launched("torchrun"):
+        trainer = _two_nodes(strategies.ShardFSDPTPStrategy(tensor_parallel_size=4))
+        warns = pytest.warns(UserWarning, match=r"tensor_parallel_size=4 does not divide the 2 devices of a node")
+        with warns if dist.get_rank() == 0 else contextlib.nullcontext():  # rank_zero_warn
+            mesh = trainer.strategy._build_mesh()
+    assert mesh.shape == (1, 4)
+
+
 def test_tp_size_that_splits_a_node_is_reported():
     assert not nodes.tp_crosses_nodes(2, devices=2, num_nodes=2)
     assert not nodes.tp_crosses_nodes(2, devices=4, num_nodes=2)
@@ -151,15 +194,16 @@ def test_tp_size_that_splits_a_node_is_reported():
 
 
 # ------------------------------------------------------------------ checkpoints
-def _write_on_two_nodes(sharded: str, full: str) -> None:
-    """One epoch of TP 2 x DP 2 over 2 cyclically numbered SLURM nodes; a sharded and a full checkpoint."""
+def _write_on_two_nodes(sharded: str, full: str, tp: int) -> None:
+    """One epoch over 2 cyclically numbered SLURM nodes (TP 2 x DP 2, or FSDP 4 on the mesh line [0, 2, 1, 3]); a
+    sharded and a full checkpoint."""
     written = []
     original = strategy_module._write_atomically
     strategy_module._write_atomically = lambda *a: written.append(a[1]) or original(*a)
     try:
         with _launched("slurm_cyclic"):
-            trainer = _two_nodes(strategies.ShardFSDPTPStrategy(tensor_parallel_size=2), max_epochs=1, max_steps=-1)
-            trainer.fit(AdamGPT(lr=LR, arch="llama", per_rank_batch=4))  # global batch 8, as one process's
+            trainer = _two_nodes(strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp), max_epochs=1, max_steps=-1)
+            trainer.fit(AdamGPT(lr=LR, arch="llama", per_rank_batch=2 * tp))  # global batch 8, as one process's
             trainer.save_checkpoint(sharded)
             trainer.strategy.state_dict_type = "full"
             trainer.save_checkpoint(full)
@@ -185,9 +229,10 @@ def _resume(path: str) -> None:
     assert worst < TP_TOL and worst_state < TP_TOL, (worst, worst_state)
 
 
-def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path):
+@pytest.mark.parametrize("tp", [2, 1])
+def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path, tp):
     sharded, full = str(tmp_path / "sharded"), str(tmp_path / "full.ckpt")
-    run_distributed(_write_on_two_nodes, 4, sharded, full)
+    run_distributed(_write_on_two_nodes, 4, sharded, full, tp)
     params, _ = reference(epochs(1), arch="llama")
     saved = torch.load(full, weights_only=True)["state_dict"]  # the full file: one process's epoch
     assert max((saved[k] - params[k]).abs().max().item() for k in params) < TP_TOL
@@ -285,3 +330,22 @@ def test_init_device_mesh_lays_the_mesh_over_a_rank_order():
     assert dist.get_process_group_ranks(mesh.get_group("tp")) == [[0, 2], [1, 3]][dist.get_rank() % 2]
     with pytest.raises(ValueError, match=r"rank_order \[0, 0, 1, 3\] must list every rank 0..3 exactly once"):
         init_device_mesh("cpu", (2, 2), rank_order=[0, 0, 1, 3])
+
+
+@distributed(world_size=4)
+def test_a_mesh_line_out_of_rank_order_shards_and_gathers_by_coordinate():
+    """The data-parallel line of FSDP 4 over 2 cyclically numbered nodes is [0, 2, 1, 3]: rank 2 holds shard 1.
+    A group sorted as ``dist.new_group`` does by default makes group rank 2 != coordinate 1, and all-gathers put
+    the shards in the wrong place."""
+    from lightning_shard import init_device_mesh
+    from lightning_shard.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,), rank_order=[0, 2, 1, 3])
+    coordinate = mesh.get_local_rank()
+    assert coordinate == [0, 2, 1, 3].index(dist.get_rank())
+    assert dist.get_group_rank(mesh.get_group(), dist.get_rank()) == coordinate
+    full = torch.arange(8.0)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    assert torch.equal(sharded.to_local(), full[2 * coordinate : 2 * coordinate + 2])
+    assert torch.equal(sharded.full_tensor(), full)
+    assert torch.equal((sharded * 2).sum().full_tensor(), full.sum() * 2)

@@ -383,8 +383,11 @@ def _set_device_if_unset(device_type: str) -> None:
     handle = handle_for(device_type)
     if device_type == "cpu" or handle.device_is_set():
         return
-    if "LOCAL_RANK" in os.environ:
-        handle.set_device(int(os.environ["LOCAL_RANK"]))
+    # srun sets no LOCAL_RANK; its SLURM_LOCALID is the same index. The global rank modulo the device count (torch's
+    # fallback) gives two ranks of a node the same device when srun deals the ranks round-robin over the nodes.
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+    if local is not None:
+        handle.set_device(int(local))
     else:
         handle.set_device(dist.get_rank() % max(1, handle.device_count()))
 

@@ -349,3 +349,35 @@ def test_a_mesh_line_out_of_rank_order_shards_and_gathers_by_coordinate():
     assert torch.equal(sharded.to_local(), full[2 * coordinate : 2 * coordinate + 2])
     assert torch.equal(sharded.full_tensor(), full)
     assert torch.equal((sharded * 2).sum().full_tensor(), full.sum() * 2)
+
+
+class _Accelerator:
+    """A device handle with 4 devices that records the device a process picks."""
+
+    def __init__(self) -> None:
+        self.chosen: list[int] = []
+
+    def device_is_set(self) -> bool:
+        return False
+
+    def device_count(self) -> int:
+        return 4
+
+    def set_device(self, index: int) -> None:
+        self.chosen.append(index)
+
+
+def test_engine_picks_the_device_by_slurm_localid_under_srun(monkeypatch):
+    """A plain engine script under srun (no LOCAL_RANK): the device is SLURM_LOCALID, not the global rank modulo
+    the device count. On 2 nodes of 4 GPUs numbered cyclically, node 1 runs ranks 1, 3, 5 and 7 (SLURM_LOCALID 0-3),
+    and rank % 4 would put ranks 1 and 5 on GPU 1 and ranks 3 and 7 on GPU 3."""
+    import lightning_shard.mesh as mesh_module
+
+    handle = _Accelerator()
+    monkeypatch.setattr(mesh_module, "handle_for", lambda device_type: handle)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    mesh_module._set_device_if_unset("cuda")
+    monkeypatch.setenv("LOCAL_RANK", "2")  # torchrun's variable wins where both are set
+    mesh_module._set_device_if_unset("cuda")
+    assert handle.chosen == [0, 2]

@@ -9,11 +9,13 @@ environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_R
   over the ranks node by node, and a mesh line out of rank order (FSDP 4's ``[0, 2, 1, 3]``) must keep its order in
   its process group (``dist.new_group`` sorts by default; with a sorted group, ``reshard_after_forward=2`` on that
   line trains 4.3 away from one process, without an error);
-* checkpoints: a sharded checkpoint written on 2 nodes resumes on 1 node x 2 ranks and on 1 process, equal to one
-  process training on; a full checkpoint is written by global rank 0 alone;
+* checkpoints: a sharded checkpoint written on 2 nodes (TP 2 x DP 2, HYBRID_SHARD with its 2 replicas) resumes on
+  1 node x 2 ranks and on 1 process, equal to one process training on; a full checkpoint is written by global
+  rank 0 alone;
 * a launched world that is not ``devices x num_nodes`` (or node and local ranks that do not tile the nodes) raises
   a ``ValueError`` on every rank at ``Trainer(...)`` or setup, before any collective could wait for a missing rank;
-* ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost.
+* ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost, and the
+  checkpoints of FSDP 4 (its mesh line out of rank order in DCP).
 
 Paths one node cannot see (node-local disks) are tests/test_faults_shared_fs.py's.
 """
@@ -194,15 +196,16 @@ def test_tp_size_that_splits_a_node_is_reported():
 
 
 # ------------------------------------------------------------------ checkpoints
-def _write_on_two_nodes(sharded: str, full: str, tp: int) -> None:
-    """One epoch over 2 cyclically numbered SLURM nodes (TP 2 x DP 2, or FSDP 4 on the mesh line [0, 2, 1, 3]); a
-    sharded and a full checkpoint."""
+def _write_on_two_nodes(sharded: str, full: str, tp: int, sharding: str) -> None:
+    """One epoch over 2 cyclically numbered SLURM nodes (TP 2 x DP 2, FSDP 4 on the mesh line [0, 2, 1, 3], or
+    HYBRID_SHARD: 2 replicas of a 2-way shard); a sharded and a full checkpoint."""
     written = []
     original = strategy_module._write_atomically
     strategy_module._write_atomically = lambda *a: written.append(a[1]) or original(*a)
     try:
         with _launched("slurm_cyclic"):
-            trainer = _two_nodes(strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp), max_epochs=1, max_steps=-1)
+            strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp, sharding_strategy=sharding)
+            trainer = _two_nodes(strategy, max_epochs=1, max_steps=-1)
             trainer.fit(AdamGPT(lr=LR, arch="llama", per_rank_batch=2 * tp))  # global batch 8, as one process's
             trainer.save_checkpoint(sharded)
             trainer.strategy.state_dict_type = "full"
@@ -229,10 +232,13 @@ def _resume(path: str) -> None:
     assert worst < TP_TOL and worst_state < TP_TOL, (worst, worst_state)
 
 
-@pytest.mark.parametrize("tp", [2, 1])
-def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path, tp):
+CHECKPOINT_CASES = [(2, "FULL_SHARD"), pytest.param(1, "FULL_SHARD", marks=pytest.mark.slow), (1, "HYBRID_SHARD")]
+
+
+@pytest.mark.parametrize(("tp", "sharding"), CHECKPOINT_CASES)
+def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path, tp, sharding):
     sharded, full = str(tmp_path / "sharded"), str(tmp_path / "full.ckpt")
-    run_distributed(_write_on_two_nodes, 4, sharded, full, tp)
+    run_distributed(_write_on_two_nodes, 4, sharded, full, tp, sharding)
     params, _ = reference(epochs(1), arch="llama")
     saved = torch.load(full, weights_only=True)["state_dict"]  # the full file: one process's epoch
     assert max((saved[k] - params[k]).abs().max().item() for k in params) < TP_TOL

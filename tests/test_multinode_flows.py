@@ -17,7 +17,8 @@ environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_R
 * ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost, and the
   checkpoints of FSDP 4 (its mesh line out of rank order in DCP).
 
-Paths one node cannot see (node-local disks) are tests/test_faults_shared_fs.py's.
+* ``ModelCheckpoint`` on node-local disks (sharded): every rank raises, nothing is published (the engine's side and
+  resuming from a path one rank cannot see are tests/test_faults_shared_fs.py's).
 """
 
 from __future__ import annotations
@@ -244,6 +245,43 @@ def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path, tp
     assert max((saved[k] - params[k]).abs().max().item() for k in params) < TP_TOL
     run_distributed(_resume, 2, sharded)
     run_distributed(_resume, 1, sharded)
+
+
+@distributed(world_size=4)
+def test_model_checkpoint_on_node_local_disks_raises_on_every_rank(tmp_path):
+    """``ModelCheckpoint(dirpath=<a per-node local disk>)`` with sharded checkpoints: Lightning gives every rank
+    global rank 0's ``dirpath``; node 1's ranks write their shards under that path on their own disk (simulated by
+    moving their files elsewhere). Every rank raises, and no checkpoint lacking node 1's shards is published."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from lightning_shard.checkpoint import CheckpointError
+
+    node, _ = LAYOUTS["torchrun"][1](dist.get_rank())
+    root = [str(tmp_path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)
+    local_disk = os.path.join(root[0], f"node{node}")
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):  # node 1's files land on node 1's disk, which node 0 never sees
+        if node == 1:
+            self.path = type(self.path)(os.path.join(root[0], "node1-disk", os.path.relpath(self.path, root[0])))
+            os.makedirs(self.path, exist_ok=True)
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+    try:
+        with _launched("torchrun"):
+            callback = ModelCheckpoint(dirpath=local_disk, every_n_train_steps=1, save_top_k=-1)
+            trainer = _two_nodes("shard_fsdp_tp", max_steps=1, enable_checkpointing=True, callbacks=[callback])
+            with pytest.raises(CheckpointError, match="every rank"):
+                trainer.fit(LitGPT())
+    finally:
+        FileSystemWriter.write_data = original
+    dist.barrier()
+    assert callback.dirpath == os.path.join(root[0], "node0")  # rank 0's, on every rank
+    published = [n for n in os.listdir(callback.dirpath) if not n.startswith(".")]
+    assert published == [], published
 
 
 # ------------------------------------------------------------------ launched world vs devices x num_nodes

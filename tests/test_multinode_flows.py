@@ -14,11 +14,10 @@ environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_R
   rank 0 alone;
 * a launched world that is not ``devices x num_nodes`` (or node and local ranks that do not tile the nodes) raises
   a ``ValueError`` on every rank at ``Trainer(...)`` or setup, before any collective could wait for a missing rank;
+* ``ModelCheckpoint`` on node-local disks (sharded): every rank raises, nothing is published (the engine's side and
+  resuming from a path one rank cannot see are tests/test_faults_shared_fs.py's);
 * ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost, and the
   checkpoints of FSDP 4 (its mesh line out of rank order in DCP).
-
-* ``ModelCheckpoint`` on node-local disks (sharded): every rank raises, nothing is published (the engine's side and
-  resuming from a path one rank cannot see are tests/test_faults_shared_fs.py's).
 """
 
 from __future__ import annotations

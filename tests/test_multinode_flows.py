@@ -217,11 +217,14 @@ def _write_on_two_nodes(sharded: str, full: str, tp: int, sharding: str) -> None
     assert everyone == [[full], [], [], []]  # global rank 0 (SLURM_PROCID 0) alone writes the full file
 
 
-def _resume(path: str) -> None:
-    """One more epoch from the 2-node checkpoint on this world (FSDP only); equal to one process's AdamW."""
+def _resume(path: str, layout: str | None = None) -> None:
+    """One more epoch from the 2-node checkpoint on this world (FSDP only; on 2 nodes of 2 ranks numbered as
+    ``layout`` says, or on one node); equal to one process's AdamW."""
     module = AdamGPT(lr=0.5, arch="llama", per_rank_batch=8 // dist.get_world_size())
-    trainer = _trainer(max_epochs=2, max_steps=-1)
-    trainer.fit(module, ckpt_path=path)
+    loops = dict(max_epochs=2, max_steps=-1)
+    with _launched(layout) if layout else contextlib.nullcontext():
+        trainer = _two_nodes("shard_fsdp_tp", **loops) if layout else _trainer(**loops)
+        trainer.fit(module, ckpt_path=path)
     assert trainer.global_step == 16
     params, state = reference(epochs(2), arch="llama")
     mine = _optim_state(module, trainer.optimizers[0])
@@ -237,6 +240,8 @@ CHECKPOINT_CASES = [(2, "FULL_SHARD"), pytest.param(1, "FULL_SHARD", marks=pytes
 
 @pytest.mark.parametrize(("tp", "sharding"), CHECKPOINT_CASES)
 def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path, tp, sharding):
+    """Saved on 2 cyclically numbered nodes; resumed on 1 node x 2 ranks, on 1 process (and, for HYBRID_SHARD, on
+    the 2 nodes again under FSDP 4, whose data-parallel line is out of rank order)."""
     sharded, full = str(tmp_path / "sharded"), str(tmp_path / "full.ckpt")
     run_distributed(_write_on_two_nodes, 4, sharded, full, tp, sharding)
     params, _ = reference(epochs(1), arch="llama")
@@ -244,6 +249,8 @@ def test_two_node_checkpoints_resume_on_one_node_and_on_one_process(tmp_path, tp
     assert max((saved[k] - params[k]).abs().max().item() for k in params) < TP_TOL
     run_distributed(_resume, 2, sharded)
     run_distributed(_resume, 1, sharded)
+    if sharding == "HYBRID_SHARD":  # and back onto 2 nodes: FSDP 4 on the line [0, 2, 1, 3]
+        run_distributed(_resume, 4, sharded, "slurm_cyclic")
 
 
 @distributed(world_size=4)

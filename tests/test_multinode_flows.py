@@ -17,7 +17,7 @@ environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_R
 * ``ModelCheckpoint`` on node-local disks (sharded): every rank raises, nothing is published (the engine's side and
   resuming from a path one rank cannot see are tests/test_faults_shared_fs.py's);
 * ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost, and the
-  checkpoints of FSDP 4 (its mesh line out of rank order in DCP).
+  checkpoints of FSDP 4 (its mesh line out of rank order in DCP) and of HYBRID_SHARD.
 """
 
 from __future__ import annotations
@@ -235,7 +235,11 @@ def _resume(path: str, layout: str | None = None) -> None:
     assert worst < TP_TOL and worst_state < TP_TOL, (worst, worst_state)
 
 
-CHECKPOINT_CASES = [(2, "FULL_SHARD"), pytest.param(1, "FULL_SHARD", marks=pytest.mark.slow), (1, "HYBRID_SHARD")]
+CHECKPOINT_CASES = [
+    (2, "FULL_SHARD"),
+    pytest.param(1, "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param(1, "HYBRID_SHARD", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize(("tp", "sharding"), CHECKPOINT_CASES)

@@ -60,7 +60,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, loading, nodes, parallelize
+from strategies import auto, loading, nodes, parallelize, requeue
 from strategies.compile import compile_fsdp_units
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
@@ -765,7 +765,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         the same with "model"), our full files, consolidated files,
         and full checkpoints of other Lightning strategies of the same model (DDP: optimizer state keyed by
         parameter index, matched by parameter order)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # rank 0's path on every rank; where SLURM's auto-requeue misread an interrupted save's leftovers, the latest
+        # complete HPC checkpoint (strategies/requeue.py)
+        path = str(checkpoint_path)
+        path = Path(self.broadcast(requeue.published_hpc_path(path) if self.global_rank == 0 else path))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         _check_seen_alike(path)

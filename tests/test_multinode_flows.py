@@ -16,6 +16,8 @@ environment says which node each runs on, as torchrun (``GROUP_RANK``, ``LOCAL_R
   a ``ValueError`` on every rank at ``Trainer(...)`` or setup, before any collective could wait for a missing rank;
 * ``ModelCheckpoint`` on node-local disks (sharded): every rank raises, nothing is published (the engine's side and
   resuming from a path one rank cannot see are tests/test_faults_shared_fs.py's);
+* SLURM's auto-requeue resumes from the last published ``hpc_ckpt_<n>.ckpt`` when a save the requeue interrupted
+  left its temp dir (whose name Lightning reads as a larger version);
 * ``slow``: two real torchrun agents (``--nnodes=2 --nproc-per-node=2``, c10d rendezvous) on localhost, and the
   checkpoints of FSDP 4 (its mesh line out of rank order in DCP) and of HYBRID_SHARD.
 """
@@ -435,3 +437,30 @@ def test_engine_picks_the_device_by_slurm_localid_under_srun(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "2")  # torchrun's variable wins where both are set
     mesh_module._set_device_if_unset("cuda")
     assert handle.chosen == [0, 2]
+
+
+# ------------------------------------------------------------------ SLURM auto-requeue
+@distributed(world_size=2)
+def test_auto_requeue_resumes_past_a_save_the_requeue_interrupted(tmp_path):
+    """SLURM's requeue: ``hpc_ckpt_1.ckpt`` published, the save of ``hpc_ckpt_2.ckpt`` killed (its temp dir left).
+    Lightning reads the temp dir's name as version 20123456...; the requeued job resumes from ``hpc_ckpt_1.ckpt``
+    and trains as if it had never stopped (it stopped with FileNotFoundError)."""
+    root = [str(tmp_path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)
+    run = dict(devices=2, default_root_dir=root[0], max_steps=-1, max_epochs=2)
+    with _environment(_slurm(node=0, local=dist.get_rank(), per_node=2, nodes_=1)):
+        first = _trainer(**{**run, "max_epochs": 1})  # the signal arrives at the end of epoch 0
+        first.fit(AdamGPT(lr=LR))
+        first.save_checkpoint(first._checkpoint_connector.hpc_save_path(root[0]))  # what SIGUSR1's handler does
+        leftover = os.path.join(root[0], "hpc_ckpt_2.ckpt.tmp-0a1b2c3d4e5f60")
+        if dist.get_rank() == 0:
+            os.makedirs(leftover)
+        dist.barrier()
+        module = AdamGPT(lr=LR)
+        requeued = _trainer(**run)
+        warns = pytest.warns(UserWarning, match=r"auto-requeue asked for .*hpc_ckpt_201234560\.ckpt.*hpc_ckpt_1\.ckpt")
+        with warns if dist.get_rank() == 0 else contextlib.nullcontext():
+            requeued.fit(module)  # no ckpt_path: Lightning picks "hpc" under SLURM
+    assert requeued.global_step == 16 and not os.path.exists(leftover)
+    ours, (ref, _) = _params(module), reference(epochs(2))  # 2 uninterrupted epochs
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5

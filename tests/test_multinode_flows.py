@@ -464,3 +464,17 @@ def test_auto_requeue_resumes_past_a_save_the_requeue_interrupted(tmp_path):
     assert requeued.global_step == 16 and not os.path.exists(leftover)
     ours, (ref, _) = _params(module), reference(epochs(2))  # 2 uninterrupted epochs
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_only_a_name_read_from_an_interrupted_save_is_mapped(tmp_path):
+    from strategies.requeue import published_hpc_path
+
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"")
+    missing = str(tmp_path / "hpc_ckpt_7.ckpt")
+    assert published_hpc_path(missing) == missing  # no leftover: the caller's FileNotFoundError stands
+    (tmp_path / ".hpc_ckpt_2.ckpt.tmp-4242").write_bytes(b"")  # a full save's temp file
+    assert published_hpc_path(missing) == missing  # Lightning read 24242 from it, not 7
+    with pytest.warns(UserWarning, match="resuming from the latest complete one"):
+        assert published_hpc_path(str(tmp_path / "hpc_ckpt_24242.ckpt")) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_1.ckpt"]
+    assert published_hpc_path(str(tmp_path / "other.ckpt")) == str(tmp_path / "other.ckpt")

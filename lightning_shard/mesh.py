@@ -181,7 +181,7 @@ class DeviceMesh:
         if key not in _GROUP_CACHE:
             mine = None
             for ranks in blocks:
-                group = dist.new_group(ranks, backend=backend, timeout=world_timeout())
+                group = _new_group(ranks, backend)
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -271,7 +271,7 @@ class DeviceMesh:
                 if ranks == list(range(dist.get_world_size())) and backend is None:
                     group = dist.group.WORLD  # a dim spanning the world in order: no new group needed
                 else:
-                    group = dist.new_group(ranks, backend=backend, timeout=world_timeout())
+                    group = _new_group(ranks, backend)
                 if self._rank in ranks:
                     mine = group
             _GROUP_CACHE[key] = mine
@@ -284,10 +284,15 @@ def init_device_mesh(
     mesh_shape: Sequence[int],
     *,
     mesh_dim_names: tuple[str, ...] | None = None,
+    rank_order: Sequence[int] | None = None,
 ) -> DeviceMesh:
     """Build a mesh of shape ``mesh_shape`` over all ranks (row-major), initialising the default process
     group from the environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, as torchrun and
     SLURM launchers set) when it does not exist yet, or as a single process when those are unset.
+
+    ``rank_order`` (not in torch's signature) lays the mesh over the global ranks in that order instead of
+    ``0..world-1``: the ranks listed node by node when the launcher did not number them so (SLURM's cyclic
+    distribution), so that the innermost dimension (tensor parallel) stays within a node.
 
     Every check runs locally before any collective, so bad input raises the same ``ValueError`` on every
     rank instead of hanging.
@@ -312,8 +317,30 @@ def init_device_mesh(
     else:
         _init_default_group(device_type)
     _set_device_if_unset(device_type)
-    mesh = torch.arange(world_size, dtype=torch.int64).reshape(mesh_shape)
+    mesh = _rank_grid(world_size, rank_order).reshape(mesh_shape)
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
+
+
+def _rank_grid(world_size: int, rank_order: Sequence[int] | None) -> torch.Tensor:
+    """``rank_order`` (default ``0..world_size-1``) as a tensor, checked to hold every rank exactly once."""
+    if rank_order is None:
+        return torch.arange(world_size, dtype=torch.int64)
+    order = [int(r) for r in rank_order]
+    if sorted(order) != list(range(world_size)):
+        raise ValueError(f"init_device_mesh: rank_order {order} must list every rank 0..{world_size - 1} exactly once")
+    return torch.tensor(order, dtype=torch.int64)
+
+
+def _new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup | None:
+    """The group of ``ranks`` whose group rank is the position in ``ranks``, i.e. the mesh coordinate.
+
+    ``dist.new_group`` sorts the ranks by default: on a mesh line such as ``[0, 2, 1, 3]`` (the ranks listed node
+    by node, see ``init_device_mesh(rank_order=...)``) rank 2 would be group rank 2 but mesh coordinate 1, and every
+    all-gather would assemble the shards in another order than the DTensor's placements say (a wrong result, no
+    error). ``sort_ranks=False`` only where it changes something: torch's TorchComms path refuses it.
+    """
+    keep_order = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+    return dist.new_group(ranks, backend=backend, timeout=world_timeout(), **keep_order)
 
 
 def group_backend(device_type: str) -> str | None:
@@ -356,8 +383,11 @@ def _set_device_if_unset(device_type: str) -> None:
     handle = handle_for(device_type)
     if device_type == "cpu" or handle.device_is_set():
         return
-    if "LOCAL_RANK" in os.environ:
-        handle.set_device(int(os.environ["LOCAL_RANK"]))
+    # srun sets no LOCAL_RANK; its SLURM_LOCALID is the same index. The global rank modulo the device count (torch's
+    # fallback) gives two ranks of a node the same device when srun deals the ranks round-robin over the nodes.
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+    if local is not None:
+        handle.set_device(int(local))
     else:
         handle.set_device(dist.get_rank() % max(1, handle.device_count()))
 

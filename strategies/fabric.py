@@ -70,6 +70,7 @@ from strategies.input_checks import check_first_forwards, check_initialised_at_f
 from strategies.strategy import (
     META_FILE,
     ShardFSDPTPStrategy,
+    _check_launched_world,
     _read_meta,
     _top_level_entries,
     _write_full_checkpoint,
@@ -195,7 +196,9 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ processes and mesh
     def _configure_launcher(self) -> None:
-        if not self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally:
+            _check_launched_world(self)  # as the Trainer strategy: devices x num_nodes against the launched world
+        else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:

@@ -62,7 +62,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, finetuning, loading, parallelize, unsupported
+from strategies import auto, finetuning, loading, nodes, parallelize, requeue, unsupported
 from strategies.compile import compile_fsdp_units
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
@@ -287,6 +287,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         world = self.num_nodes * self.num_processes
         _check_sizes_for_world(self._data_parallel_size, self._tensor_parallel_size, world)
         if self.cluster_environment.creates_processes_externally:
+            # torchrun/SLURM started the ranks already: a world other than devices x num_nodes fails here, on every
+            # rank, instead of in a mesh or collective sized for processes that do not exist
+            _check_launched_world(self)
             return
         if self._start_method == "spawn":
             self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
@@ -339,19 +342,26 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 f"shard_fsdp_tp: sharding_strategy={self.sharding_strategy!r} with tensor_parallel_size={tp} is not "
                 "supported; use FULL_SHARD or SHARD_GRAD_OP with tensor parallelism"
             )
-        if no_shard:
-            return init_device_mesh(
-                device_type, (dp, 1, tp), mesh_dim_names=("replicate", "data_parallel", "tensor_parallel")
+        if nodes.tp_crosses_nodes(tp, self.num_processes, self.num_nodes):
+            rank_zero_warn(
+                f"shard_fsdp_tp: tensor_parallel_size={tp} does not divide the {self.num_processes} devices of a node, "
+                "so tensor-parallel groups span nodes and every TP collective crosses the network; choose a TP size "
+                "that divides the devices per node"
             )
-        if hybrid:
+        # the mesh's consecutive ranks (a TP group, a HYBRID_SHARD shard group) must share a node, whatever order
+        # the launcher numbered them in
+        order = nodes.node_major_ranks(
+            node_rank=self.node_rank, local_rank=self.local_rank, num_nodes=self.num_nodes, devices=self.num_processes
+        )
+        if no_shard:
+            shape, names = (dp, 1, tp), ("replicate", "data_parallel", "tensor_parallel")
+        elif hybrid:  # shard within a node, replicate across nodes
             per_node = max(1, self.num_processes)
             replicas = dp // per_node if dp % per_node == 0 and dp > per_node else 1
-            return init_device_mesh(
-                device_type,
-                (replicas, dp // replicas, tp),
-                mesh_dim_names=("replicate", "data_parallel", "tensor_parallel"),
-            )
-        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+            shape, names = (replicas, dp // replicas, tp), ("replicate", "data_parallel", "tensor_parallel")
+        else:
+            shape, names = (dp, tp), ("data_parallel", "tensor_parallel")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names, rank_order=order)
 
     def _apply_auto(self, request: auto.Request, world: int) -> int:
         """Decide the ``"auto"`` knobs (rank 0's planner, the same on every rank), set the strategy's
@@ -768,7 +778,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         with ``weights_only=True`` (classes allowlisted with ``torch.serialization.add_safe_globals`` load too)
         unless the caller passes ``weights_only=False``: then the objects it holds are rebuilt, running their
         code, so only for checkpoints you trust."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # rank 0's path on every rank; where SLURM's auto-requeue misread an interrupted save's leftovers, the latest
+        # complete HPC checkpoint (strategies/requeue.py)
+        path = str(checkpoint_path)
+        path = Path(self.broadcast(requeue.published_hpc_path(path) if self.global_rank == 0 else path))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         trusted = weights_only is False
@@ -1186,6 +1199,17 @@ def _check_arguments(
                 f"{name}: planner_device_memory={planner_device_memory!r}: use a positive number of bytes or a size "
                 "such as '24GiB' (None: the device's own memory)"
             )
+
+
+def _check_launched_world(strategy) -> None:
+    """``devices`` x ``num_nodes`` against the world an external launcher (torchrun, SLURM) started: see
+    ``strategies.nodes.check_world``. The process group's size when it exists, else the cluster environment's."""
+    env = strategy.cluster_environment
+    world = torch.distributed.get_world_size() if _distributed_is_initialized() else env.world_size()
+    nodes.check_world(
+        num_nodes=strategy.num_nodes, devices=strategy.num_processes, world=world, node_rank=env.node_rank(),
+        local_rank=env.local_rank(), environment=type(env).__name__,
+    )  # fmt: skip
 
 
 def _check_sizes_for_world(dp, tp, world: int) -> None:

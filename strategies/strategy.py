@@ -62,6 +62,7 @@ from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
 from strategies import auto, loading, parallelize
 from strategies.compile import compile_fsdp_units
+from strategies.generation import generate_with_full_logits
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
 
@@ -552,6 +553,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
+        if self._loss_parallel_active():
+            summary["generate_with_full_logits"] = generate_with_full_logits(model)
         self._unset_after_materialize = parallelize.materialize(model, self.root_device)
         if self._unset_after_materialize:  # said now; the first step raises if no checkpoint fills them
             names = self._unset_after_materialize

@@ -1,0 +1,263 @@
+"""Generation and inference through ``Trainer(strategy="shard_fsdp_tp")``, each compared with one process running the
+same weights on the same inputs (2 gloo ranks: FSDP 2, TP 2 under the automatic plan, TP 2 with ``loss_parallel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import strategies
+from tests import hf_models as H
+from tests.harness import distributed
+from tests.test_strategy import _trainer
+
+pytest.importorskip("transformers")
+
+NEW_TOKENS = 4
+# (tensor_parallel_size, loss_parallel)
+MODES = [(1, False), (2, False), (2, True)]
+
+
+def _strategy(tp: int, loss_parallel: bool) -> strategies.ShardFSDPTPStrategy:
+    return strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp, loss_parallel=loss_parallel)
+
+
+def _prompts(n: int = 4, seq: int = 6) -> TensorDataset:
+    """``n`` left-padded prompts of lengths ``seq, seq-1, ...`` (pad id 0), their attention masks and indices."""
+    ids = H.token_batch(n, seq, seed=7).clamp(min=3)  # no pad / bos / eos ids inside a prompt
+    mask = torch.ones_like(ids)
+    for i in range(n):
+        pad = i % (seq - 1)
+        ids[i, :pad], mask[i, :pad] = 0, 0
+    return TensorDataset(ids, mask, torch.arange(n))
+
+
+def _generate(model, ids, mask, use_cache: bool) -> torch.Tensor:
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        use_cache=use_cache,
+        pad_token_id=0,
+    )
+
+
+class Generating(L.LightningModule):
+    """Calls ``generate`` in ``validation_step`` (kept in ``self.generated``) and ``predict_step`` (returned)."""
+
+    def __init__(self, family: str, use_cache: bool) -> None:
+        super().__init__()
+        self.model = H.build(family)
+        self.model.generation_config.pad_token_id = 0
+        self.use_cache = use_cache
+        self.generated: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def validation_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        self.generated.append((idx, _generate(self.model, ids, mask, self.use_cache)))
+
+    def predict_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        return idx, _generate(self.model, ids, mask, self.use_cache)
+
+    def val_dataloader(self):
+        return DataLoader(_prompts(), batch_size=2)
+
+    def predict_dataloader(self):
+        return DataLoader(_prompts(), batch_size=2)
+
+
+def _reference_generate(family: str, idx: torch.Tensor, use_cache: bool) -> torch.Tensor:
+    model = H.build(family).eval()
+    ids, mask, _ = _prompts()[idx]
+    with torch.no_grad():
+        return _generate(model, ids, mask, use_cache)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize(("tp", "loss_parallel"), MODES)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@distributed(world_size=2)
+def test_generate_in_validation_and_predict(family, tp, loss_parallel, use_cache):
+    module = Generating(family, use_cache)
+    trainer = _trainer(strategy=_strategy(tp, loss_parallel), limit_val_batches=None)
+    trainer.validate(module)
+    predictions = trainer.predict(module)
+    assert len(module.generated) == len(predictions) > 0
+    for idx, tokens in module.generated + predictions:
+        assert type(tokens) is torch.Tensor
+        want = _reference_generate(family, idx, use_cache)
+        assert tokens.shape == want.shape and torch.equal(tokens, want), (idx, tokens, want)
+
+
+# ------------------------------------------------------------------------------------------------ logits
+class Scoring(L.LightningModule):
+    """Predicts the logits of ``_prompts()`` (full vocabulary) and records the type the validation step sees."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.model = H.build(family)
+        self.val_logits_types: list[str] = []
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+    def validation_step(self, batch, batch_idx):
+        ids, mask, _ = batch
+        self.val_logits_types.append(type(self(ids, mask)).__name__)
+
+    def predict_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        return idx, self(ids, mask)
+
+    def val_dataloader(self):
+        return DataLoader(_prompts(), batch_size=2)
+
+    def predict_dataloader(self):
+        return DataLoader(_prompts(), batch_size=2)
+
+
+def _reference_logits(family: str, idx: torch.Tensor) -> torch.Tensor:
+    ids, mask, _ = _prompts()[idx]
+    with torch.no_grad():
+        return H.build(family).eval()(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize(("tp", "loss_parallel"), MODES)
+@distributed(world_size=2)
+def test_predict_returns_full_logits(tp, loss_parallel):
+    module = Scoring("llama")
+    trainer = _trainer(strategy=_strategy(tp, loss_parallel), limit_val_batches=None)
+    predictions = trainer.predict(module)
+    for idx, logits in predictions:
+        assert type(logits) is torch.Tensor  # not a DTensor, not this rank's vocabulary shard
+        want = _reference_logits("llama", idx)
+        assert logits.shape == want.shape and (logits - want).abs().max() < 5e-5
+    trainer.validate(module)  # validation runs inside loss_parallel(): sharded logits for the loss there
+    assert set(module.val_logits_types) == {"DTensor" if loss_parallel and tp > 1 else "Tensor"}
+
+
+# ------------------------------------------------------------------------------------------------ inference mode
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+
+def _val_rows() -> TensorDataset:
+    return TensorDataset(H.token_batch(8, 8, seed=5), torch.arange(8))
+
+
+class Validating(L.LightningModule):
+    """Trains ``H.lm_loss`` with SGD; each validation batch records (step, row indices, loss, inference mode)."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.model = H.build(family)
+        self.seen: list[tuple[int, torch.Tensor, torch.Tensor, bool]] = []
+
+    def on_train_start(self):
+        self.initial = {n: _full(p).clone() for n, p in self.model.named_parameters()}
+
+    def training_step(self, batch, batch_idx):
+        return H.lm_loss(self.model, batch[0])
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask)
+
+    def validation_step(self, batch, batch_idx):
+        ids, idx = batch
+        loss = H.lm_loss(self.model, ids)
+        self.seen.append((self.global_step, idx, _full(loss).clone(), torch.is_inference_mode_enabled()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(H.token_dataset(), batch_size=2)
+
+    def val_dataloader(self):
+        return DataLoader(_val_rows(), batch_size=2)
+
+
+@contextlib.contextmanager
+def _lightning_inference_mode_on_gloo() -> Iterator[None]:
+    """Lightning's evaluation loops run under ``torch.inference_mode()`` (``Trainer(inference_mode=True)``, the
+    default) on NCCL, but fall back to ``torch.no_grad()`` on gloo; this makes them take the NCCL choice here."""
+    from lightning.pytorch.loops import utilities
+
+    saved = utilities._distributed_is_initialized
+    utilities._distributed_is_initialized = lambda: False  # read only by the loops' no-grad decorator
+    try:
+        yield
+    finally:
+        utilities._distributed_is_initialized = saved
+
+
+def _logits_of(out) -> torch.Tensor:
+    return out.logits
+
+
+def _model_with(family: str, params: dict[str, torch.Tensor]):
+    model = H.build(family).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n])
+    return model
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+@pytest.mark.parametrize(("tp", "loss_parallel"), MODES)
+@distributed(world_size=2)
+def test_validate_fit_validate_then_score_in_a_plain_loop(tp, loss_parallel, inference_mode):
+    """``trainer.validate`` (inference mode) before and after ``fit`` (whose own validation runs mid-epoch under
+    ``no_grad``, as Lightning always does there), then the trained model scored in a plain loop on every rank."""
+    family, dp = "llama", 2 // tp
+    module = Validating(family)
+    trainer = _trainer(
+        strategy=_strategy(tp, loss_parallel),
+        max_steps=4,
+        val_check_interval=2,
+        limit_val_batches=None,
+        inference_mode=inference_mode,
+    )
+    with _lightning_inference_mode_on_gloo():
+        trainer.validate(module)
+        trainer.fit(module)
+        trainer.validate(module)
+    initial = {n: _full(p) for n, p in H.build(family).named_parameters()}
+    assert all(torch.equal(module.initial[n], initial[n]) for n in initial)
+    after = {k: H.reference_params(family, k, world=dp, initial=initial) for k in (0, 2, 4)}
+    steps = [step for step, *_ in module.seen]
+    assert sorted(set(steps)) == [0, 2, 4] and steps[-1] == 4
+    for i, (step, idx, loss, inference) in enumerate(module.seen):
+        assert inference is (inference_mode and (step == 0 or i >= len(steps) - steps.count(4) // 2))
+        with torch.no_grad():
+            want = H.lm_loss(_model_with(family, after[step]), _val_rows()[idx][0])
+        assert (loss - want).abs() < 5e-5, (step, idx, loss, want)
+    got = {n: _full(p) for n, p in module.model.named_parameters()}
+    assert max((got[n] - after[4][n]).abs().max().item() for n in got) < 5e-5
+    ids = H.token_batch(3, 8, seed=9)
+    with torch.no_grad():
+        want = _model_with(family, after[4])(input_ids=ids).logits
+    module.eval()
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            assert (_logits_of(module(ids, None)) - want).abs().max() < 5e-5  # through the root unit's hooks
+            # a submodule of the root unit called directly: its parameters are gathered by the root's unshard()
+            with pytest.raises(RuntimeError, match=r"module\.unshard\(\)"):
+                module.model(input_ids=ids)
+            module.unshard()
+            logits = module.model(input_ids=ids).logits
+            tokens = module.model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            module.reshard()
+        assert type(logits) is torch.Tensor and (logits - want).abs().max() < 5e-5
+        assert torch.equal(
+            tokens,
+            _model_with(family, after[4]).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0),
+        )

@@ -261,3 +261,75 @@ def test_validate_fit_validate_then_score_in_a_plain_loop(tp, loss_parallel, inf
             tokens,
             _model_with(family, after[4]).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0),
         )
+
+
+# ------------------------------------------------------------------------------------------------ outputs beyond logits
+@pytest.mark.parametrize(("family", "tp"), [("llama", 1), ("llama", 2), ("gpt2", 2)])
+@distributed(world_size=2)
+def test_hidden_states_and_attentions_in_predict(family, tp):
+    """``output_hidden_states`` and ``output_attentions`` (eager attention) in a predict step equal one process; under
+    TP each rank returned the attention weights of its own heads only."""
+    predictions = _trainer(strategy=_strategy(tp, False)).predict(Outputs(family))
+    ref = _eager(family).eval()
+    for idx, hidden, attentions in predictions:
+        ids, mask, _ = _prompts()[idx]
+        with torch.no_grad():
+            want = ref(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+        assert len(hidden) == len(want.hidden_states) and len(attentions) == len(want.attentions)
+        for got, exp in zip(hidden + attentions, want.hidden_states + want.attentions):
+            assert type(got) is torch.Tensor and got.shape == exp.shape, (got.shape, exp.shape)
+            assert (got - exp).abs().max() < 5e-5
+
+
+def _eager(family: str):
+    model = H.build(family)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+class Outputs(Scoring):
+    def __init__(self, family: str) -> None:
+        L.LightningModule.__init__(self)
+        self.model = _eager(family)
+
+    def predict_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+        return idx, list(out.hidden_states), list(out.attentions)
+
+
+# ------------------------------------------------------------------------------------------------ classification
+def _classifier(family: str):
+    from transformers import AutoModelForSequenceClassification
+
+    base = H.build(family)
+    torch.manual_seed(5)
+    config = base.config
+    config.num_labels, config.pad_token_id = 3, 0
+    return AutoModelForSequenceClassification.from_config(config).float().eval()
+
+
+class Classifying(L.LightningModule):
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.model = _classifier(family)
+
+    def predict_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        return idx, self.model(input_ids=ids, attention_mask=mask).logits.softmax(-1)
+
+    def predict_dataloader(self):
+        return DataLoader(_prompts(), batch_size=2)
+
+
+@pytest.mark.parametrize(("family", "tp"), [("llama", 1), ("llama", 2), ("bert", 2)])
+@distributed(world_size=2)
+def test_sequence_classification_probabilities(family, tp):
+    predictions = _trainer(strategy=_strategy(tp, False)).predict(Classifying(family))
+    ref = _classifier(family)
+    for idx, probs in predictions:
+        ids, mask, _ = _prompts()[idx]
+        with torch.no_grad():
+            want = ref(input_ids=ids, attention_mask=mask).logits.softmax(-1)
+        assert type(probs) is torch.Tensor and probs.shape == want.shape == (len(idx), 3)
+        assert (probs - want).abs().max() < 5e-5

@@ -1,5 +1,14 @@
 """Generation and inference through ``Trainer(strategy="shard_fsdp_tp")``, each compared with one process running the
 same weights on the same inputs (2 gloo ranks: FSDP 2, TP 2 under the automatic plan, TP 2 with ``loss_parallel``).
+
+* Hugging Face ``generate`` (greedy, KV cache on and off, left-padded prompts) in ``validation_step`` and
+  ``predict_step``: under ``loss_parallel`` it failed on the vocabulary-sharded logits.
+* ``trainer.predict`` of logits: under ``loss_parallel`` each rank returned its vocabulary shard in a DTensor.
+* ``trainer.validate`` under ``torch.inference_mode()`` (Lightning's default on NCCL), then ``fit``, then validate
+  again, then the model scored in a plain loop: under TP the training after an inference-mode validate went wrong
+  with no error, and the loss under ``loss_parallel`` raised in inference mode.
+* ``output_hidden_states`` / ``output_attentions`` under TP (each rank returned its own heads' weights) and
+  sequence-classification probabilities.
 """
 
 from __future__ import annotations
@@ -81,15 +90,29 @@ def _reference_generate(family: str, idx: torch.Tensor, use_cache: bool) -> torc
         return _generate(model, ids, mask, use_cache)
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-@pytest.mark.parametrize(("tp", "loss_parallel"), MODES)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def _cases(cases: list[tuple], default: set[tuple]) -> list:
+    """``cases`` as pytest params, those outside ``default`` marked slow (the file's default run stays short)."""
+    return [pytest.param(*c, marks=() if c in default else pytest.mark.slow) for c in cases]
+
+
+GENERATE = [(f, tp, lp, cache) for f in ("llama", "gpt2") for tp, lp in MODES for cache in (True, False)]
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "loss_parallel", "use_cache"),
+    _cases(
+        GENERATE,
+        {("llama", 2, True, True), ("llama", 1, False, True), ("gpt2", 1, False, False), ("gpt2", 2, False, True)},
+    ),
+)
 @distributed(world_size=2)
 def test_generate_in_validation_and_predict(family, tp, loss_parallel, use_cache):
+    """Under ``loss_parallel`` generate failed on the vocabulary-sharded logits in both steps."""
     module = Generating(family, use_cache)
     trainer = _trainer(strategy=_strategy(tp, loss_parallel), limit_val_batches=None)
-    trainer.validate(module)
-    predictions = trainer.predict(module)
+    with _lightning_inference_mode_on_gloo():
+        trainer.validate(module)
+        predictions = trainer.predict(module)
     assert len(module.generated) == len(predictions) > 0
     for idx, tokens in module.generated + predictions:
         assert type(tokens) is torch.Tensor
@@ -130,9 +153,10 @@ def _reference_logits(family: str, idx: torch.Tensor) -> torch.Tensor:
         return H.build(family).eval()(input_ids=ids, attention_mask=mask).logits
 
 
-@pytest.mark.parametrize(("tp", "loss_parallel"), MODES)
+@pytest.mark.parametrize(("tp", "loss_parallel"), _cases(MODES, {(2, True)}))
 @distributed(world_size=2)
 def test_predict_returns_full_logits(tp, loss_parallel):
+    """Under ``loss_parallel`` each rank returned its vocabulary shard in a DTensor."""
     module = Scoring("llama")
     trainer = _trainer(strategy=_strategy(tp, loss_parallel), limit_val_batches=None)
     predictions = trainer.predict(module)
@@ -211,8 +235,10 @@ def _model_with(family: str, params: dict[str, torch.Tensor]):
     return model
 
 
-@pytest.mark.parametrize("inference_mode", [True, False])
-@pytest.mark.parametrize(("tp", "loss_parallel"), MODES)
+@pytest.mark.parametrize(
+    ("tp", "loss_parallel", "inference_mode"),
+    _cases([(*m, im) for m in MODES for im in (True, False)], {(2, False, True), (2, True, True)}),
+)
 @distributed(world_size=2)
 def test_validate_fit_validate_then_score_in_a_plain_loop(tp, loss_parallel, inference_mode):
     """``trainer.validate`` (inference mode) before and after ``fit`` (whose own validation runs mid-epoch under
@@ -264,7 +290,7 @@ def test_validate_fit_validate_then_score_in_a_plain_loop(tp, loss_parallel, inf
 
 
 # ------------------------------------------------------------------------------------------------ outputs beyond logits
-@pytest.mark.parametrize(("family", "tp"), [("llama", 1), ("llama", 2), ("gpt2", 2)])
+@pytest.mark.parametrize(("family", "tp"), _cases([("llama", 1), ("llama", 2), ("gpt2", 2)], {("llama", 2)}))
 @distributed(world_size=2)
 def test_hidden_states_and_attentions_in_predict(family, tp):
     """``output_hidden_states`` and ``output_attentions`` (eager attention) in a predict step equal one process; under
@@ -322,7 +348,7 @@ class Classifying(L.LightningModule):
         return DataLoader(_prompts(), batch_size=2)
 
 
-@pytest.mark.parametrize(("family", "tp"), [("llama", 1), ("llama", 2), ("bert", 2)])
+@pytest.mark.parametrize(("family", "tp"), _cases([("llama", 1), ("llama", 2), ("bert", 2)], {("bert", 2)}))
 @distributed(world_size=2)
 def test_sequence_classification_probabilities(family, tp):
     predictions = _trainer(strategy=_strategy(tp, False)).predict(Classifying(family))

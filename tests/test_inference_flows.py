@@ -3,6 +3,7 @@ same weights on the same inputs (2 gloo ranks: FSDP 2, TP 2 under the automatic 
 
 * Hugging Face ``generate`` (greedy, KV cache on and off, left-padded prompts) in ``validation_step`` and
   ``predict_step``: under ``loss_parallel`` it failed on the vocabulary-sharded logits.
+* Sampling under TP with a seed per rank: the ranks of a TP group drew different tokens.
 * ``trainer.predict`` of logits: under ``loss_parallel`` each rank returned its vocabulary shard in a DTensor.
 * ``trainer.validate`` under ``torch.inference_mode()`` (Lightning's default on NCCL), then ``fit``, then validate
   again, then the model scored in a plain loop: under TP the training after an inference-mode validate went wrong
@@ -118,6 +119,36 @@ def test_generate_in_validation_and_predict(family, tp, loss_parallel, use_cache
         assert type(tokens) is torch.Tensor
         want = _reference_generate(family, idx, use_cache)
         assert tokens.shape == want.shape and torch.equal(tokens, want), (idx, tokens, want)
+
+
+class Sampling(Generating):
+    """Samples in ``predict_step`` after seeding each rank differently (``seed + rank``, as a user might)."""
+
+    def predict_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        torch.manual_seed(SEED + self.global_rank)
+        return idx, _sample(self.model, ids, mask)
+
+
+SEED = 1234
+
+
+def _sample(model, ids, mask) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, pad_token_id=0)
+
+
+@distributed(world_size=2)
+def test_sampling_under_tp_draws_one_token_per_tp_group():
+    """The TP ranks sampled different tokens (each its own seed), then ran their forwards on different sequences
+    while the collectives mixed them; ``generate`` now starts from the TP group's first rank's random state."""
+    predictions = _trainer(strategy=_strategy(2, False)).predict(Sampling("llama", True))
+    ref = H.build("llama").eval()
+    for idx, tokens in predictions:
+        ids, mask, _ = _prompts()[idx]
+        torch.manual_seed(SEED)  # TP rank 0's seed
+        with torch.no_grad():
+            want = _sample(ref, ids, mask)
+        assert torch.equal(tokens, want), (tokens, want)
 
 
 # ------------------------------------------------------------------------------------------------ logits

@@ -58,7 +58,10 @@ def _attention_recorders(model: nn.Module) -> list[tuple[type, str, int, str | N
     """(module class, output key, output index, layer name) for each attention output Hugging Face records."""
     found = []
     for module in model.modules():
-        for key, specs in (getattr(type(module), "_can_record_outputs", None) or {}).items():
+        recorded = getattr(type(module), "_can_record_outputs", None)
+        if not isinstance(recorded, dict):  # none, or a property computed per instance (left alone)
+            continue
+        for key, specs in recorded.items():
             if "attentions" not in key:
                 continue
             for spec in specs if isinstance(specs, list) else [specs]:

@@ -64,6 +64,8 @@ from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
 from strategies import auto, finetuning, loading, nodes, parallelize, requeue, unsupported
 from strategies.compile import compile_fsdp_units
+from strategies.generation import wrap_generate
+from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
 from strategies.precision import ShardPrecision
 
@@ -566,6 +568,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
+        if summary["tp_plan"] is not None:
+            tp_mesh = self.device_mesh["tensor_parallel"]
+            summary["attention_weights_gathered"] = gather_attention_weights(model, summary["tp_plan"], tp_mesh)
+            summary["generate_wrapped"] = wrap_generate(
+                model, tp_mesh.get_group(), self.root_device, full_logits=self._loss_parallel_active()
+            )
         self._unset_after_materialize = parallelize.materialize(model, self.root_device)
         if self._unset_after_materialize:  # said now; the first step raises if no checkpoint fills them
             names = self._unset_after_materialize

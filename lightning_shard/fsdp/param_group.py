@@ -366,13 +366,18 @@ class FSDPParamGroup:
         self.is_unsharded = True
 
     def _unsharded_views(self) -> list[nn.Parameter]:
-        """The unsharded parameters, created once per flat buffer so autograd's saved views stay valid."""
+        """The unsharded parameters, created once per flat buffer so autograd's saved views stay valid.
+
+        They are created outside inference mode even when the first unshard runs inside it (Lightning's
+        ``trainer.validate`` before ``fit``): a TP DTensor wrapper built there is an inference tensor, and kept for
+        every later step it trained the model wrong without an error."""
         views = []
         for i, fp in enumerate(self.params):
             if fp.unsharded is None:
                 offset = int(self.layout.unsharded_offsets[i])
-                data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
-                fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
+                with torch.inference_mode(False):
+                    data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
+                    fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
                 mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
             fp.sync_requires_grad()
             views.append(fp.unsharded)

@@ -106,6 +106,8 @@ def dispatch_by_rule(func, args: tuple, kwargs: dict):
     fast = _same_layout_pointwise(func, args, kwargs)
     if fast is not None:
         return fast
+    if _decomposes_here(func):
+        return func.decompose(*args, **kwargs)
     key, dtensors = decision_key(func, args, kwargs)
     decision = _DECISIONS.get(key) if key is not None else None
     if decision is not None:
@@ -117,6 +119,20 @@ def dispatch_by_rule(func, args: tuple, kwargs: dict):
     if view_copies.is_view_op(func):  # cached or not: a view result that is a copy must be recorded
         view_copies.note_view(func, args, out)
     return out
+
+
+@functools.cache
+def _decomposes_here(func) -> bool:
+    """True for an op without a rule that has a composite (``CompositeImplicitAutograd``) decomposition.
+
+    Why: such ops are decomposed before they reach a tensor subclass, except under ``torch.inference_mode()``
+    (Lightning's default for validate, test and predict), where the autograd keys are skipped and ``aten.linear``,
+    ``aten.cross_entropy_loss``, ... arrive whole. Their decompositions run on the ops that have rules: without
+    this, ``F.cross_entropy`` on loss-parallel logits raised (its plain target met the sharded logits in the
+    fallback), and every ``linear`` gathered its inputs to run replicated."""
+    if find_rule(func) is not None:
+        return False
+    return func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _decide_and_run(func, args: tuple, kwargs: dict, key, dtensors: list):
@@ -213,7 +229,10 @@ def _fsdp_hint(specs: list[DTensorSpec]) -> str:
                 ". A DTensor sharded over 'data_parallel' here is usually a parameter still sharded by fully_shard: "
                 "its module ran outside the forward of its fully_shard unit, whose hooks all-gather it (e.g. "
                 "checkpoint_sequential over a fully_shard-ed nn.Sequential calls its children directly, as does a "
-                "forward calling a child of another unit). Call the unit itself, or fully_shard the children"
+                "forward calling a child of another unit, or a submodule of a Lightning module called directly "
+                "after fit: under Trainer(strategy='shard_fsdp_tp') the LightningModule is the root unit). Call the "
+                "unit itself, fully_shard the children, or all-gather the unit's parameters around the direct "
+                "call: module.unshard(), then module.reshard() (module: the unit, e.g. the LightningModule)"
             )
     return ""
 
@@ -228,7 +247,7 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
         if s.mesh != mesh:
             raise RuntimeError(
                 f"{func}: DTensor arguments live on different meshes ({mesh} and {s.mesh}); "
-                "redistribute them onto one mesh first"
+                "redistribute them onto one mesh first" + _fsdp_hint(specs)
             )
     promoted = False
     for i, a in enumerate(flat):

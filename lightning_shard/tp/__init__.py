@@ -11,7 +11,8 @@ Example::
 from lightning_shard.tp.api import parallelize_module
 from lightning_shard.tp.auto_plan import auto_tp_plan
 from lightning_shard.tp.coverage import TPCoverage, tp_coverage
-from lightning_shard.tp.loss import loss_parallel
+from lightning_shard.tp.loss import full_logits, loss_parallel
+from lightning_shard.tp.loss_head import LossParallelHead
 from lightning_shard.tp.style import (
     ColwiseParallel,
     DivideAttributes,
@@ -35,6 +36,8 @@ __all__ = [
     "DivideAttributes",
     "auto_tp_plan",
     "loss_parallel",
+    "full_logits",
+    "LossParallelHead",
     "tp_coverage",
     "TPCoverage",
 ]

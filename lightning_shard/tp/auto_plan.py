@@ -37,7 +37,8 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   (summary line and warning): it acts on each rank's local columns, not as on one device.
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
   ``out_features`` is an embedding's vocabulary: ``ColwiseParallel``, output ``Replicate()`` or, with
-  ``loss_parallel=True``, a ``Shard(-1)`` DTensor for :func:`loss_parallel`.
+  ``loss_parallel=True``, ``LossParallelHead``: a ``Shard(-1)`` DTensor inside :func:`loss_parallel`, the full
+  logits, plain, outside it.
 * Sequence parallel (``sequence_parallel=True``): norms in and around the blocks get
   ``SequenceParallel(use_local_output=True)``, embeddings reduce-scatter to the sequence dim (``Shard(-2)``:
   dim 1 of ``(B, T, C)``, dim 0 of a ``(T, C)`` positional lookup), attention and MLP modules gather their
@@ -70,6 +71,7 @@ from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import Placement, Replicate, Shard
+from lightning_shard.tp.loss_head import LossParallelHead
 from lightning_shard.tp.style import (
     ColwiseParallel,
     DivideAttributes,
@@ -540,7 +542,8 @@ def auto_tp_plan(
     Returns the plan (a plain dict of FQN -> style, or a tuple of styles applied in order); with
     ``return_summary=True`` returns ``(plan, summary)`` where ``summary`` is a list of lines, one per
     considered module: ``"<fqn>: <how it is sharded>"`` or ``"<fqn>: <why not>, left replicated"``.
-    ``loss_parallel=True`` makes the LM head return vocab-sharded DTensor logits for ``loss_parallel()``.
+    ``loss_parallel=True`` makes the LM head return vocab-sharded DTensor logits inside ``loss_parallel()``
+    (the full logits, plain, outside it).
     ``sequence_parallel="auto"`` (the strategy's default) turns it on where ``True`` would apply and nothing
     outside the blocks could be indexed by position (see the module docstring); otherwise off with the reason
     as the first summary line, never an error.
@@ -796,20 +799,21 @@ def auto_tp_plan(
             continue
         d_in, d_out = linear_dims(m)
         if f in heads:
-            add(
-                f,
-                ColwiseParallel(
-                    input_layouts=seq if sp else Replicate(),
-                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                    use_local_output=not loss_parallel,
-                ),
-            )
+            head_input = seq if sp else Replicate()
+            if loss_parallel:
+                add(f, LossParallelHead(input_layouts=head_input))
+            else:
+                add(f, ColwiseParallel(input_layouts=head_input, output_layouts=Replicate()))
             tie = (
                 f", weight tied to {tied[id(m.weight)]} (both Shard(0) on the vocabulary)"
                 if id(m.weight) in tied
                 else ""
             )
-            out = "vocab-sharded DTensor logits for loss_parallel" if loss_parallel else "logits gathered"
+            out = (
+                "vocab-sharded DTensor logits inside loss_parallel(), gathered outside it"
+                if loss_parallel
+                else "logits gathered"
+            )
             lines.append(f"{f}: ColwiseParallel (LM head, {d_out} classes{tie}; {out})")
         elif f in in_block:
             lines.append(

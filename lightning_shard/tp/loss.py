@@ -41,7 +41,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.placements import Replicate
 from lightning_shard.tensor.redistribute import redistribute_local
 
-__all__ = ["loss_parallel"]
+__all__ = ["loss_parallel", "full_logits", "sharded_logits_wanted"]
 
 aten = torch.ops.aten
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -235,6 +235,7 @@ _HANDLERS = {
     aten.nll_loss2d_backward.default: _nll_backward,
 }
 _DEPTH = 0
+_FULL_DEPTH = 0
 _SAVED: dict = {}
 
 
@@ -279,3 +280,29 @@ def loss_parallel() -> Iterator[None]:
             for op, previous in _SAVED.items():
                 _dispatch.swap_custom(op, previous)
             _SAVED.clear()
+
+
+def sharded_logits_wanted() -> bool:
+    """True inside ``loss_parallel()`` and outside ``full_logits()``: where an LM head planned for loss parallelism
+    (``lightning_shard.tp.loss_head.LossParallelHead``) keeps its logits vocabulary-sharded."""
+    return _DEPTH > 0 and _FULL_DEPTH == 0
+
+
+@contextlib.contextmanager
+def full_logits() -> Iterator[None]:
+    """Inside, an LM head planned for loss parallelism returns full, plain logits, also within ``loss_parallel()``.
+
+    Why: code that consumes the logits as plain tensors inside a loss-parallel step (Hugging Face ``generate`` in a
+    ``validation_step``, a top-k over the vocabulary) cannot take a vocabulary-sharded DTensor.
+
+    Example::
+
+        with loss_parallel(), full_logits():
+            tokens = model.generate(ids, max_new_tokens=4)
+    """
+    global _FULL_DEPTH
+    _FULL_DEPTH += 1
+    try:
+        yield
+    finally:
+        _FULL_DEPTH -= 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ import strategies
 from tests.fsdp_models import loss_fn
 from tests.harness import distributed
 from tests.test_strategy import _trainer
-from tests.test_trainer_features import _full, _single_trainer, _worst
+from tests.test_trainer_features import _EpochBatches, _full, _single_trainer, _worst
 from tests.test_trainer_flows import ONE_PROCESS, Flow
 
 CASES = [("gpt", 1), ("llama", 2)]  # FSDP 2; TP 2 (one data-parallel rank)
@@ -166,3 +167,222 @@ def test_transformers_adafactor_raises_naming_the_optimizer(arch, tp):
         with pytest.raises(RuntimeError, match=r"inside transformers\.optimization\.Adafactor\.step\(\).*"
                            r"torch\.zeros_like\(p\).*torch\.optim\.Adafactor"):  # fmt: skip
             trainer.fit(Recipe(arch, recipe=recipe))
+
+
+# ----------------------------------------------------------------------------------- manual optimization: a GAN
+class Block(torch.nn.Module):
+    """A residual MLP block (the strategy's FSDP unit; ``up``/``down`` are column/row parallel under TP)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _tower(out: int) -> torch.nn.Sequential:
+    return torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, out))
+
+
+def _bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
+
+
+def _gan_data(n: int = 64):
+    g = torch.Generator().manual_seed(3)
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(torch.randn(n, 16, generator=g) * 0.5 + 1.0, torch.randn(n, 16, generator=g))
+
+
+class Gan(L.LightningModule):
+    """Lightning's GAN recipe: generator and discriminator optimizers stepped in one ``training_step`` with
+    ``toggle_optimizer`` (the other model's parameters stop requiring grad), ``manual_backward`` and
+    ``clip_gradients``; the discriminator scores the same fake batch twice, once per phase. ``accumulate=2``:
+    the discriminator steps every 2 batches on the accumulated gradients, without zeroing in between.
+    ``d_first``: the discriminator's phase first, each phase freezing the other model with ``requires_grad_``
+    (so each step starts with the discriminator frozen, as the previous one left it)."""
+
+    def __init__(self, mirrors: int | None = None, accumulate: int = 1, d_first: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.mirrors, self.accumulate, self.d_first = mirrors, accumulate, d_first
+        torch.manual_seed(0)
+        self.generator, self.discriminator = _tower(16), _tower(1)
+
+    def training_step(self, batch, batch_idx):
+        g_opt, d_opt = self.optimizers()
+        if self.d_first:
+            self._train(self.discriminator, self.generator, lambda: self._d_phase(d_opt, batch, batch_idx))
+            self._train(self.generator, self.discriminator, lambda: self._g_phase(g_opt, batch))
+            return
+        self.toggle_optimizer(g_opt)
+        self._g_phase(g_opt, batch)
+        self.untoggle_optimizer(g_opt)
+        self.toggle_optimizer(d_opt)
+        self._d_phase(d_opt, batch, batch_idx)
+        self.untoggle_optimizer(d_opt)
+
+    @staticmethod
+    def _train(trained: torch.nn.Module, frozen: torch.nn.Module, phase) -> None:
+        trained.requires_grad_(True)
+        frozen.requires_grad_(False)
+        phase()
+
+    def _g_phase(self, g_opt, batch) -> None:
+        real, noise = batch
+        fake = self.generator(noise)
+        self.manual_backward(_bce(self.discriminator(fake), torch.ones(len(real), 1)))
+        self.clip_gradients(g_opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        g_opt.step()
+        g_opt.zero_grad()
+
+    def _d_phase(self, d_opt, batch, batch_idx) -> None:
+        real, noise = batch
+        fake = self.generator(noise).detach()
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        d_loss = (_bce(self.discriminator(real), ones) + _bce(self.discriminator(fake), zeros)) / 2
+        self.manual_backward(d_loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            self.clip_gradients(d_opt, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+            d_opt.step()
+            d_opt.zero_grad()
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-2, betas=(0.5, 0.999)),
+        )
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        if self.mirrors:
+            return DataLoader(_gan_data(), batch_sampler=_EpochBatches(self.mirrors))
+        return DataLoader(_gan_data(), batch_size=4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_gan_manual_optimization_equals_one_process(tp):
+    for variant in (dict(accumulate=1), dict(accumulate=2), dict(d_first=True)):
+        ours = Gan(**variant)
+        _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp), max_steps=8).fit(ours)
+        ref = Gan(mirrors=dist.get_world_size() // tp, **variant)
+        _single_trainer(max_steps=8, **ONE_PROCESS).fit(ref)
+        ours_p, ref_p, start = _params(ours), _params(ref), _params(Gan())
+        assert _worst(start, ref_p) > 1e-3
+        assert _worst(ours_p, ref_p) < TOL[tp], (variant, _worst(ours_p, ref_p))
+
+
+def _params(module) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in module.named_parameters()}
+
+
+# ------------------------------------------------------------- param groups by name; schedulers; zero_grad(False)
+NO_DECAY = ("bias", "LayerNorm.weight")  # Hugging Face's recipe
+
+
+class NoDecayBert(L.LightningModule):
+    """A BERT masked LM with AdamW in two groups built from ``named_parameters()`` in ``configure_optimizers``
+    (after the strategy sharded the model): weight decay except on biases and LayerNorm weights."""
+
+    def __init__(self, mirrors: int | None = None) -> None:
+        super().__init__()
+        from tests import hf_models as H
+
+        self.model, self.mirrors, self.loss = H.build("bert"), mirrors, H.lm_loss
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self.model, batch[0])
+
+    def configure_optimizers(self):
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        skip = [any(key in n for key in NO_DECAY) for n, _ in named]
+        self.group_names = [[n for (n, _), s in zip(named, skip) if s is flag] for flag in (False, True)]
+        groups = [
+            {"params": [p for (_, p), s in zip(named, skip) if not s], "weight_decay": 0.5},
+            {"params": [p for (_, p), s in zip(named, skip) if s], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=1e-2)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from tests import hf_models as H
+        from tests.lightning_models import sampler_batches
+
+        if self.mirrors:
+            batches = [b.tolist() for b in sampler_batches(self.mirrors, 2, n=32)]
+            return DataLoader(H.token_dataset(), batch_sampler=batches)
+        return DataLoader(H.token_dataset(), batch_size=2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_no_decay_groups_by_name_equal_one_process(tp):
+    ours = NoDecayBert()
+    _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp), max_steps=3).fit(ours)
+    ref = NoDecayBert(mirrors=dist.get_world_size() // tp)
+    _single_trainer(max_steps=3, **ONE_PROCESS).fit(ref)
+    assert ours.group_names == ref.group_names  # the names configure_optimizers sees are the model's own
+    assert any("LayerNorm.weight" in n for n in ref.group_names[1]) and ref.group_names[0]
+    # A key bias adds the same score to every key, which softmax ignores: its gradient is rounding noise, which
+    # Adam scales up to steps of ~lr (1.2e-5 apart after 3 steps under FSDP). The rest must agree.
+    ours_p, ref_p = ({n: t for n, t in _full(m).items() if "key.bias" not in n} for m in (ours, ref))
+    assert _worst(_full(NoDecayBert()), _full(ref)) > 1e-3
+    assert _worst(ours_p, ref_p) < TOL[tp], _worst(ours_p, ref_p)
+
+
+class MeanSecondMoment(torch.optim.lr_scheduler.LRScheduler):
+    """A user's scheduler that reads the optimizer's state: lr scaled by 1 / (1 + 1e3 * mean of Adam's
+    ``exp_avg_sq`` over all parameters), a value each rank can only know from the whole state."""
+
+    def get_lr(self):
+        states = [s["exp_avg_sq"] for s in self.optimizer.state.values() if "exp_avg_sq" in s]
+        mean = float(sum(s.sum() for s in states) / max(1, sum(s.numel() for s in states))) if states else 0.0
+        return [base / (1 + 1e3 * mean) for base in self.base_lrs]
+
+
+class Scheduled(Flow):
+    """``Flow`` with a per-step scheduler: ``"onecycle"`` (AdamW, cycling its betas), ``"warm_restarts"`` (SGD
+    with momentum, ``zero_grad(set_to_none=False)``), ``"state"`` (``MeanSecondMoment`` on AdamW)."""
+
+    def __init__(self, arch: str = "gpt", mirrors: int | None = None, schedule: str = "onecycle") -> None:
+        super().__init__(arch, mirrors)
+        self.schedule = schedule
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=self.schedule != "warm_restarts")
+
+    def configure_optimizers(self):
+        params = self.model.parameters()
+        if self.schedule == "warm_restarts":
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+            sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=2, eta_min=0.01)
+        else:
+            opt = torch.optim.AdamW(params, lr=1e-2)
+            if self.schedule == "onecycle":
+                sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=8)
+            else:
+                sched = MeanSecondMoment(opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize(("arch", "tp"), CASES)
+@distributed(world_size=2)
+def test_step_schedulers_and_zero_grad_without_none_equal_one_process(arch, tp):
+    for schedule in ("onecycle", "warm_restarts", "state"):
+        ours = Scheduled(arch, schedule=schedule)
+        _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp), max_steps=5).fit(ours)
+        ref = Scheduled(arch, mirrors=dist.get_world_size() // tp, schedule=schedule)
+        _single_trainer(max_steps=5, **ONE_PROCESS).fit(ref)
+        assert ours.lrs == pytest.approx(ref.lrs, rel=1e-5) and len(set(ref.lrs)) > 1, schedule
+        assert _worst(_full(ours), _full(ref)) < TOL[tp], (schedule, _worst(_full(ours), _full(ref)))

@@ -417,3 +417,56 @@ def test_step_schedulers_and_zero_grad_without_none_equal_one_process(arch, tp):
         _single_trainer(**loops, **ONE_PROCESS).fit(ref)
         assert ours.lrs == pytest.approx(ref.lrs, rel=1e-5) and len(set(ref.lrs)) > 1, schedule
         assert _worst(_full(ours), _full(ref)) < TOL[tp], (schedule, _worst(_full(ours), _full(ref)))
+
+
+# ------------------------------------------------------------------ resuming the state of non-element-wise optimizers
+@pytest.mark.parametrize(
+    ("recipe", "state_dict_type"),
+    [("adafactor", "sharded"), ("muon", "full"), pytest.param("adafactor", "full", marks=SLOW)],
+)
+@distributed(world_size=2)
+def test_resume_equals_uninterrupted(tmp_path, recipe, state_dict_type):
+    """Adafactor's factored state (a row and a column vector per matrix) and Muon's momentum through a checkpoint
+    and ``fit(ckpt_path=...)``: the resumed run equals one process trained straight through."""
+    from unittest import mock
+
+    from tests.test_strategy_checkpoint import _shared_path
+
+    path = _shared_path(tmp_path, f"{recipe}.ckpt")
+
+    def trainer(epochs: int):
+        strategy = strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type)
+        return _trainer(strategy=strategy, max_steps=-1, max_epochs=epochs, limit_train_batches=2)
+
+    with mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32):
+        first = trainer(1)
+        first.fit(Recipe(recipe=recipe))
+        first.save_checkpoint(path)
+        resumed = Recipe(recipe=recipe)
+        trainer(2).fit(resumed, ckpt_path=path)
+        ref = Recipe(mirrors=dist.get_world_size(), recipe=recipe)
+        _single_trainer(max_steps=-1, max_epochs=2, limit_train_batches=2, **ONE_PROCESS).fit(ref)
+    assert ref.trainer.global_step == resumed.trainer.global_step
+    assert _worst(_full(resumed), _full(ref)) < TOL[1], _worst(_full(resumed), _full(ref))
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=SLOW)])
+@distributed(world_size=2)
+def test_lbfgs_saves_and_its_resume_raises_naming_the_optimizer(tmp_path, state_dict_type):
+    # Its state is a history of flat vectors over all parameters, in lists: a full save could not pickle the
+    # DTensors in them, and a resume (whose fresh LBFGS has no state: a step needs a closure) raised a TypeError
+    # from inside the checkpoint code.
+    from tests.test_strategy_checkpoint import _shared_path
+
+    path = _shared_path(tmp_path, "lbfgs.ckpt")
+    strategy = strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type)
+    trainer = _trainer(strategy=strategy, max_steps=2)
+    trainer.fit(Recipe(recipe="lbfgs"))
+    trainer.save_checkpoint(path)
+    strategy = strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type)
+    match = r"cannot load the state of torch\.optim\.lbfgs\.LBFGS into its sharded parameters: its step\(\) "
+    with pytest.raises(ValueError, match=match + r"requires a closure.*load_from_checkpoint"):
+        _trainer(strategy=strategy, max_steps=3).fit(Recipe(recipe="lbfgs"), ckpt_path=path)
+    if state_dict_type == "full":  # the weights in it load in a plain process
+        weights, trained = torch.load(path, weights_only=True)["state_dict"], _full(trainer.lightning_module)
+        assert _worst({n: weights[f"model.{n}"] for n in trained}, trained) == 0

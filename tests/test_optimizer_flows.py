@@ -1,5 +1,18 @@
-"""Optimizers whose update is not element-wise, through ``Trainer(strategy="shard_fsdp_tp")`` on 2 gloo ranks
-(FSDP 2 on TinyGPT, TP 2 on a Llama), each compared with one process on the same global batches."""
+"""Optimizers whose update is not element-wise, and optimization loops that meet the sharding, through
+``Trainer(strategy="shard_fsdp_tp")`` on 2 gloo ranks (FSDP 2 on TinyGPT, TP 2 on a Llama; ``slow``: FSDP 2 x TP 2
+on 4), each compared with one process on the same global batches, or checked to raise a clear error:
+
+* ``torch.optim.Muon`` + AdamW, ``torch.optim.Adafactor``, ``torch.optim.LBFGS`` with Lightning's closure, a user
+  LAMB (``p.norm()``), LARS in ``on_before_optimizer_step``; Adafactor and Muon resumed from a checkpoint;
+* transformers' ``Adafactor`` (plain full-shape state) raised an error about fully_shard units, and now names
+  the optimizer and the fix; LBFGS checkpoints: a full save raised "DTensor cannot be pickled" and a resume a
+  ``TypeError`` from inside the checkpoint code, now both save and the resume names LBFGS;
+* a GAN in manual optimization (``toggle_optimizer``, ``clip_gradients``): with the discriminator accumulating
+  over 2 batches its head (a root-unit parameter) picked up the generator phase's gradient, and with phases that
+  freeze by ``requires_grad_()`` it got none: the root unshards before ``training_step``'s code runs;
+* no-decay param groups by name (Hugging Face's recipe on BERT), per-step schedulers (also one reading Adam's
+  state), ``zero_grad(set_to_none=False)`` with gradient accumulation.
+"""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ from lightning_shard.checkpoint import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from lightning_shard.checkpoint.state_dict import check_param_groups
+from lightning_shard.checkpoint.state_dict import check_optimizer_loadable, check_param_groups
 from lightning_shard.comm import broadcast_object
 from lightning_shard.fsdp import check_optimizer_params
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
@@ -830,6 +830,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in saved:  # absent in weights-only checkpoints
+                check_optimizer_loadable(optimizer)  # LBFGS: before its missing state meets the saved keys
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
                 loading.optimizer_template_as_saved(state[f"optimizer_{i}"], f"optimizer_{i}", keys)
 

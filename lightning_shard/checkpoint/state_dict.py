@@ -16,11 +16,13 @@ Example::
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor as TorchDTensor
 
@@ -226,13 +228,51 @@ def _param_fqns(model: nn.Module) -> tuple[dict[int, str], dict[str, nn.Paramete
     return canonical, by_name
 
 
+def check_optimizer_loadable(optim: torch.optim.Optimizer) -> None:
+    """Refuse, on every rank alike, to load into an optimizer whose state cannot be loaded exactly.
+
+    Two kinds: a ``step`` that requires a closure (``torch.optim.LBFGS``) cannot create a fresh optimizer's state
+    to load into (a zero step without a closure raised a ``TypeError`` from inside the checkpoint code), and
+    state held in lists or dicts of tensors (LBFGS's history of flat vectors over all parameters, ``old_dirs``,
+    ``old_stps``, ``ro``) is not per-parameter state, whose lengths a fresh optimizer cannot know. Saving such
+    state works (the weights in it load with ``load_from_checkpoint``); resuming it does not.
+
+    Example: ``check_optimizer_loadable(torch.optim.LBFGS(model.parameters()))`` raises ``ValueError``.
+    """
+    needs_closure = _step_needs_closure(optim)
+    nested = sorted(
+        {
+            key
+            for entry in optim.state.values()
+            for key, value in entry.items()
+            if isinstance(value, (list, tuple, dict))
+            and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+        }
+    )
+    if not needs_closure and not nested:
+        return
+    why = f"its state holds lists of tensors ({', '.join(map(repr, nested))})" if nested else ""
+    why = why or "its step() requires a closure, so no state can be created to load into"
+    raise ValueError(
+        f"set_optimizer_state_dict: cannot load the state of {type(optim).__module__}.{type(optim).__qualname__} "
+        f"into its sharded parameters: {why}. Resume the weights only (load_from_checkpoint, or "
+        "set_model_state_dict) with a new optimizer, or train with an optimizer whose state is per parameter "
+        "(Adam, SGD, Adafactor, Muon, ...)."
+    )
+
+
+def _step_needs_closure(optim: torch.optim.Optimizer) -> bool:
+    closure = inspect.signature(type(optim).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _init_optim_state(optim: torch.optim.Optimizer) -> None:
     """Create lazily-initialised state (e.g. Adam's exp_avg) with one zero-gradient, zero-lr step.
 
     The same trick as torch's ``state_dict._init_optim_state``: without it a fresh optimizer has no state tensors
     to load into. Parameters are unchanged (zero lr); gradients are reset to None afterwards.
     """
-    if optim.state:
+    if optim.state or _step_needs_closure(optim):  # LBFGS: no step without a closure (check_optimizer_loadable)
         return
     params = [p for g in optim.param_groups for p in g[_PARAMS]]
     if any(p.grad is not None for p in params):
@@ -299,8 +339,10 @@ def get_optimizer_state_dict(
                 continue
             entry = {}
             for k, v in optimizer.state[p].items():
-                is_tensor = isinstance(v, torch.Tensor)
-                entry[k] = _export(v, full_state_dict, cpu_offload, cache, keep) if is_tensor else v
+                # tensors also inside lists (LBFGS's history): a full state dict must hold no DTensor
+                entry[k] = pytree.tree_map_only(
+                    torch.Tensor, lambda t: _export(t, full_state_dict, cpu_offload, cache, keep), v
+                )
             if keep:  # the other ranks only join the gathers (see get_model_state_dict)
                 state[fqn] = entry
     if not keep:
@@ -375,6 +417,7 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, optim_st
             f"get_optimizer_state_dict, got {type(optim_state_dict).__name__} with keys "
             f"{list(optim_state_dict)[:5] if isinstance(optim_state_dict, Mapping) else '-'}"
         )
+    check_optimizer_loadable(optimizer)
     _init_optim_state(optimizer)
     optim_state_dict = _by_fqn(model, optimizer, optim_state_dict)
     groups = _optim_fqns(model, optimizer)

@@ -52,21 +52,38 @@ class FSDPParam:
         self.shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape  # what FSDP shards
         self.global_shape = param.shape
         self.dtype = param.dtype
-        self._requires_grad_at_wrap = param.requires_grad
+        self._agreed_requires_grad = param.requires_grad
         self.sharded: nn.Parameter | None = None  # our DTensor, Shard(0) on the data-parallel mesh
         self.unsharded: nn.Parameter | None = None  # plain view into the unsharded flat buffer
 
     @property
     def requires_grad(self) -> bool:
-        """Whether this parameter trains: the sharded parameter's flag, which is the one users and callbacks
-        set (``model.requires_grad_(False)``, Lightning's ``BaseFinetuning.make_trainable``) at any time."""
-        return self._requires_grad_at_wrap if self.sharded is None else self.sharded.requires_grad
+        """Whether this parameter trains: the flag users and callbacks last set (``model.requires_grad_(False)``,
+        Lightning's ``BaseFinetuning.make_trainable`` or ``toggle_optimizer``) at any time, on either tensor."""
+        if self.sharded is None:
+            return self._agreed_requires_grad
+        self.sync_requires_grad()
+        return self.sharded.requires_grad
 
     def sync_requires_grad(self) -> None:
-        """Give the unsharded parameter (reused across steps) the sharded one's current ``requires_grad``, so
-        a parameter frozen after ``fully_shard`` gets no gradient and one unfrozen gets it again."""
-        if self.unsharded is not None and self.unsharded.requires_grad != self.requires_grad:
-            self.unsharded.requires_grad_(self.requires_grad)
+        """Make the sharded and the unsharded parameter agree on ``requires_grad``: the one changed since they
+        last agreed wins.
+
+        Both are reachable: an optimizer (and Lightning's ``toggle_optimizer``, through its param groups) holds
+        the sharded one, while ``module.requires_grad_()`` reaches whichever the module holds at that moment,
+        the unsharded one inside the unit's forward (under Lightning, all of ``training_step`` for the root). A
+        one-way copy at each unshard undid a change made to the unsharded parameter (the next step trained a
+        model frozen by ``requires_grad_(False)``) and reached the unsharded one only at the next unshard.
+        """
+        if self.unsharded is None or self.sharded is None:
+            return
+        sharded, unsharded = self.sharded.requires_grad, self.unsharded.requires_grad
+        if sharded != unsharded:
+            if unsharded != self._agreed_requires_grad:  # the unsharded one changed since they agreed
+                self.sharded.requires_grad_(unsharded)
+            else:
+                self.unsharded.requires_grad_(sharded)
+        self._agreed_requires_grad = self.sharded.requires_grad  # the value they last agreed on
 
     def set_on_modules(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` under every name this parameter has (bypasses nn.Module's type checks)."""

@@ -400,6 +400,7 @@ class FSDPParamGroup:
         if not self.is_unsharded:
             return
         for fp in self.params:
+            fp.sync_requires_grad()  # a requires_grad_() on the module while unsharded reached the unsharded one
             fp.set_on_modules(fp.sharded)
         self._free_unsharded_storage()
         self.is_unsharded = False
@@ -435,8 +436,15 @@ class FSDPParamGroup:
 
     # ------------------------------------------------------------------ gradients
     def post_backward(self) -> None:
-        """Reduce-scatter this backward's gradients (or keep them, without gradient sync)."""
-        grads = [fp.unsharded_grad() for fp in self.params]
+        """Reduce-scatter this backward's gradients (or keep them, without gradient sync).
+
+        A parameter frozen since the unshard (``requires_grad`` now False on the sharded parameter) contributes
+        no gradient: its unsharded parameter still required grad when the forward used it, e.g. the root's
+        parameters under Lightning's ``toggle_optimizer`` inside ``training_step`` (the root unshards before
+        the step's code runs). On one device it would have had none; reduced, it was added to the ``.grad`` the
+        parameter kept from an earlier backward (gradient accumulation), silently.
+        """
+        grads = [fp.unsharded_grad() if fp.requires_grad else None for fp in self.params]
         for fp in self.params:
             if fp.unsharded is not None:
                 fp.unsharded.grad = None

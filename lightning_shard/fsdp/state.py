@@ -23,6 +23,8 @@ Example: see ``lightning_shard.fsdp.fully_shard``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
@@ -104,6 +106,33 @@ class FSDPState:
                             )
                         state.is_root = False
                         state.root = self
+        self._sync_requires_grad_at_each_call()
+
+    def _sync_requires_grad_at_each_call(self) -> None:
+        """Root only: each module holding the root group's parameters gives them the sharded parameters'
+        current ``requires_grad`` when it is called.
+
+        The root unshards once, before its forward's code runs, and under Lightning that code is the whole
+        ``training_step`` (forward redirection): freezing or unfreezing parameters inside it (a GAN's phases,
+        ``toggle_optimizer``) otherwise reached the unsharded parameters only at the next step, so a parameter
+        unfrozen for its phase got no gradient and did not train, silently. Inner units unshard in their own
+        forward, after such code ran.
+        """
+        if self.group is None:
+            return
+        own = {id(m) for m in self.modules}
+        held: dict[int, tuple[nn.Module, list]] = {}
+        for fp in self.group.params:
+            for module, _ in fp.refs:
+                if id(module) not in own:
+                    held.setdefault(id(module), (module, []))[1].append(fp)
+        for module, params in held.values():
+            module.register_forward_pre_hook(functools.partial(self._sync_requires_grad, params))
+
+    def _sync_requires_grad(self, params: list, module: nn.Module, args: tuple) -> None:
+        if self.group is not None and self.group.is_unsharded:
+            for fp in params:
+                fp.sync_requires_grad()
 
     # ------------------------------------------------------------------ forward
     def _enter_call(self, module: nn.Module, args: tuple) -> None:

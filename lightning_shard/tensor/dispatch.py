@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.utils._pytree as pytree
@@ -237,6 +238,26 @@ def _fsdp_hint(specs: list[DTensorSpec]) -> str:
     return ""
 
 
+def _optimizer_hint() -> str:
+    """For the mixing error raised inside an optimizer's ``step()``: name the optimizer and the fix. The plain
+    tensor there is the optimizer's own (state built with ``torch.zeros(p.shape)``, as transformers' Adafactor
+    does), not an activation, so the fully_shard hint would mislead. Walks the stack only when raising."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "step" and isinstance(owner, torch.optim.Optimizer):
+            name = f"{type(owner).__module__}.{type(owner).__qualname__}"
+            return (
+                f". This happened inside {name}.step(): the optimizer built a plain tensor (optimizer state from "
+                "torch.zeros(p.shape) or similar, of the parameter's full shape) and combined it with a sharded "
+                "parameter or gradient; each rank holds only its shard of those. Build such state with "
+                "torch.zeros_like(p) or p.new_zeros(...) (a DTensor sharded like p), or use an optimizer that "
+                "does (for transformers' Adafactor: torch.optim.Adafactor)"
+            )
+        frame = frame.f_back
+    return ""
+
+
 def make_call(func, args: tuple, kwargs: dict) -> OpCall:
     """Collect the DTensor arguments of one op call and check them (same mesh, no non-scalar plain tensor)."""
     flat, tree = pytree.tree_flatten((args, kwargs))
@@ -256,7 +277,8 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                 raise RuntimeError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
-                    "DTensor.from_local() first (only tensors of one element may be mixed)" + _fsdp_hint(specs)
+                    "DTensor.from_local() first (only tensors of one element may be mixed)"
+                    + (_optimizer_hint() or _fsdp_hint(specs))
                 )
             # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate.
             flat[i] = DTensor(

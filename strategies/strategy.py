@@ -809,7 +809,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             optim_states = [
                 checkpoint.pop(f"optimizer_{i}") for i in range(len(optimizers)) if f"optimizer_{i}" in checkpoint
             ]
-        finetuning.restore_param_groups(self.lightning_module.trainer, checkpoint.get("callbacks") or {})
+        finetuning.restore_param_groups(self.lightning_module._trainer, checkpoint.get("callbacks") or {})
         pairs = list(zip(optimizers, optim_states or []))
         for optimizer, optim_state in pairs:  # before the model is touched
             check_optimizer_state_dict(self.model, optimizer, optim_state)
@@ -824,7 +824,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         except CheckpointSecurityError as e:
             raise _untrusted_objects(path / META_FILE, e) from e
         # the param groups a finetuning callback added, before the optimizer templates are built from them
-        finetuning.restore_param_groups(self.lightning_module.trainer, meta.get("callbacks") or {})
+        finetuning.restore_param_groups(self.lightning_module._trainer, meta.get("callbacks") or {})
         keys = loading.saved_keys(path)
         saved = _top_level_entries(keys)
         state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"

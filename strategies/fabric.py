@@ -64,13 +64,12 @@ from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
-from strategies import loading, parallelize
+from strategies import loading, nodes, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
 from strategies.input_checks import check_first_forwards, check_initialised_at_first_forward
 from strategies.strategy import (
     META_FILE,
     ShardFSDPTPStrategy,
-    _check_launched_world,
     _read_meta,
     _top_level_entries,
     _write_full_checkpoint,
@@ -197,7 +196,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ processes and mesh
     def _configure_launcher(self) -> None:
         if self.cluster_environment.creates_processes_externally:
-            _check_launched_world(self)  # as the Trainer strategy: devices x num_nodes against the launched world
+            nodes.check_launched_world(self)  # as the Trainer strategy: devices x num_nodes against the launched world
         else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 

@@ -84,9 +84,19 @@ def _gather_weights(module: nn.Module, args, output, *, keys: frozenset, index: 
 
 def _collected(key: str) -> bool:
     """True while a Hugging Face forward collects ``key`` (``output_attentions=True``)."""
+    collector = _active_collector()
+    if collector is None:  # a transformers without the collector: assume collected (correct, one gather more)
+        return True
+    collected = collector.get()
+    return collected is not None and key in collected
+
+
+@functools.cache
+def _active_collector():
+    """transformers' context variable of the outputs being collected (looked up once: the hook runs at every
+    attention forward), or ``None`` where it has none."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without the collector: assume collected (correct, one gather more)
-        return True
-    collected = _active_collector.get()
-    return collected is not None and key in collected
+    except ImportError:
+        return None
+    return _active_collector

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_shard import comm
 
-__all__ = ["check_world", "node_major_ranks", "tp_crosses_nodes"]
+__all__ = ["check_launched_world", "check_world", "node_major_ranks", "tp_crosses_nodes"]
 
 
 def check_world(*, num_nodes: int, devices: int, world: int, node_rank: int, local_rank: int, environment: str) -> None:
@@ -48,6 +48,18 @@ def check_world(*, num_nodes: int, devices: int, world: int, node_rank: int, loc
             f"shard_fsdp_tp: {environment} reports node rank {node_rank}, but num_nodes={num_nodes} allows node "
             f"ranks 0..{num_nodes - 1}; {fix}"
         )
+
+
+def check_launched_world(strategy) -> None:
+    """``check_world`` for a Lightning strategy (Trainer or Fabric) whose processes an external launcher (torchrun,
+    SLURM) started: its ``devices`` x ``num_nodes`` against the process group's size when it exists, else the
+    cluster environment's, with the environment's node and local ranks."""
+    env = strategy.cluster_environment
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else env.world_size()
+    check_world(
+        num_nodes=strategy.num_nodes, devices=strategy.num_processes, world=world, node_rank=env.node_rank(),
+        local_rank=env.local_rank(), environment=type(env).__name__,
+    )  # fmt: skip
 
 
 def node_major_ranks(*, node_rank: int, local_rank: int, num_nodes: int, devices: int) -> list[int]:

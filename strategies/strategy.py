@@ -291,7 +291,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             # torchrun/SLURM started the ranks already: a world other than devices x num_nodes fails here, on every
             # rank, instead of in a mesh or collective sized for processes that do not exist
-            _check_launched_world(self)
+            nodes.check_launched_world(self)
             return
         if self._start_method == "spawn":
             self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
@@ -1208,17 +1208,6 @@ def _check_arguments(
                 f"{name}: planner_device_memory={planner_device_memory!r}: use a positive number of bytes or a size "
                 "such as '24GiB' (None: the device's own memory)"
             )
-
-
-def _check_launched_world(strategy) -> None:
-    """``devices`` x ``num_nodes`` against the world an external launcher (torchrun, SLURM) started: see
-    ``strategies.nodes.check_world``. The process group's size when it exists, else the cluster environment's."""
-    env = strategy.cluster_environment
-    world = torch.distributed.get_world_size() if _distributed_is_initialized() else env.world_size()
-    nodes.check_world(
-        num_nodes=strategy.num_nodes, devices=strategy.num_processes, world=world, node_rank=env.node_rank(),
-        local_rank=env.local_rank(), environment=type(env).__name__,
-    )  # fmt: skip
 
 
 def _check_sizes_for_world(dp, tp, world: int) -> None:

@@ -88,8 +88,8 @@ def warn_throughput_under_tp(module: nn.Module, tensor_parallel_size: int) -> No
     from lightning.pytorch.callbacks import ThroughputMonitor
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    trainer = getattr(module, "_trainer", None)
-    if tensor_parallel_size == 1 or not any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks or []):
+    callbacks = getattr(getattr(module, "_trainer", None), "callbacks", None) or []
+    if tensor_parallel_size == 1 or not any(isinstance(c, ThroughputMonitor) for c in callbacks):
         return
     rank_zero_warn(
         f"shard_fsdp_tp: ThroughputMonitor counts every rank as a model replica, but the {tensor_parallel_size} "

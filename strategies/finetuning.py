@@ -13,13 +13,62 @@ unfreezes only at its epoch, so Lightning's own resume (one process, DDP) keeps 
 and the resumed run leaves the backbone where the checkpoint had it (measured: one process, unfrozen at epoch 1,
 resumed at epoch 2, the backbone did not move and the parameters ended 0.13 from the uninterrupted run's).
 
-Example: ``restore_param_groups(trainer, checkpoint.get("callbacks", {}))`` before the optimizer state loads.
+A load that fails after the rebuild (an optimizer state that does not fit) must leave the run as it was:
+``param_groups_restored`` undoes the rebuild (the optimizers' groups, the parameters' ``requires_grad``, the
+callbacks' state) when the rest of the load raises.
+
+Example: ``with param_groups_restored(trainer, checkpoint.get("callbacks", {})): load_the_optimizer_state()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
+
+
+@contextlib.contextmanager
+def param_groups_restored(trainer: Any, callback_states: dict[str, Any]) -> Iterator[None]:
+    """``restore_param_groups`` for the duration of a load: undone if the block raises, so a failed load changes
+    neither the optimizers, nor which parameters train, nor the callbacks."""
+    snapshot = _Snapshot.take(trainer)
+    try:
+        restore_param_groups(trainer, callback_states)
+        yield
+    except BaseException:
+        snapshot.put_back()
+        raise
+
+
+class _Snapshot:
+    """What ``restore_param_groups`` changes: each optimizer's param groups, the module's ``requires_grad`` flags
+    and the finetuning callbacks' attributes."""
+
+    def __init__(self, groups: list, flags: list, callbacks: list) -> None:
+        self.groups, self.flags, self.callbacks = groups, flags, callbacks
+
+    @classmethod
+    def take(cls, trainer: Any) -> _Snapshot:
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        if trainer is None or not trainer.optimizers:
+            return cls([], [], [])
+        # the callback's rebuild assigns a new list of new groups (``optimizer.param_groups = ...``)
+        groups = [(o, o.param_groups, list(o.param_groups)) for o in trainer.optimizers]
+        flags = [(p, p.requires_grad) for p in trainer.lightning_module.parameters()]
+        callbacks = [(c, copy.copy(vars(c))) for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+        return cls(groups, flags, callbacks)
+
+    def put_back(self) -> None:
+        for optimizer, groups, items in self.groups:
+            groups[:] = items
+            optimizer.param_groups = groups
+        for param, flag in self.flags:
+            param.requires_grad_(flag)
+        for callback, attributes in self.callbacks:
+            vars(callback).clear()
+            vars(callback).update(attributes)
 
 
 def restore_param_groups(trainer: Any, callback_states: dict[str, Any]) -> None:
@@ -40,12 +89,28 @@ def restore_param_groups(trainer: Any, callback_states: dict[str, Any]) -> None:
         built = [len(optimizer.param_groups) for optimizer in trainer.optimizers]
         callback.load_state_dict(copy.deepcopy(state))
         callback.on_fit_start(trainer, trainer.lightning_module)
+        _check_rebuilt_groups(trainer.optimizers, callback)
         # The groups the callback added hold what it unfroze; its setup froze them again (freeze_before_training)
         # and nothing unfreezes them after the epoch it did so: trainable again, as in the uninterrupted run.
         for optimizer, count in zip(trainer.optimizers, built):
             for group in optimizer.param_groups[count:]:
                 for param in group["params"]:
                     param.requires_grad_(True)
+
+
+def _check_rebuilt_groups(optimizers: list, callback: Any) -> None:
+    """The groups the callback rebuilt carry the saved hyperparameters; another optimizer class than the one that
+    saved them lacks its own (Adam resuming an SGD run: a ``KeyError: 'betas'`` at its first step)."""
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            missing = sorted(set(optimizer.defaults) - set(group))
+            if missing:
+                raise ValueError(
+                    f"shard_fsdp_tp: {type(callback).__name__} restored param groups of optimizer {index} "
+                    f"({type(optimizer).__name__}) from the checkpoint, and they lack its hyperparameters {missing}: "
+                    "the checkpoint was saved with another optimizer. Resume with the optimizer that saved it, or "
+                    "start from its weights only (load the model state, without ckpt_path)."
+                )
 
 
 def clear_restarting(trainer: Any) -> None:

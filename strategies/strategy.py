@@ -809,13 +809,14 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             optim_states = [
                 checkpoint.pop(f"optimizer_{i}") for i in range(len(optimizers)) if f"optimizer_{i}" in checkpoint
             ]
-        finetuning.restore_param_groups(self.lightning_module._trainer, checkpoint.get("callbacks") or {})
-        pairs = list(zip(optimizers, optim_states or []))
-        for optimizer, optim_state in pairs:  # before the model is touched
-            check_optimizer_state_dict(self.model, optimizer, optim_state)
-        set_model_state_dict(self.model, checkpoint.pop(loading.model_entry(set(checkpoint), path)), strict=strict)
-        for optimizer, optim_state in pairs:
-            set_optimizer_state_dict(self.model, optimizer, optim_state)
+        with finetuning.param_groups_restored(self.lightning_module._trainer, checkpoint.get("callbacks") or {}):
+            pairs = list(zip(optimizers, optim_states or []))
+            for optimizer, optim_state in pairs:  # before the model is touched
+                check_optimizer_state_dict(self.model, optimizer, optim_state)
+            model_state = checkpoint.pop(loading.model_entry(set(checkpoint), path))
+            set_model_state_dict(self.model, model_state, strict=strict)
+            for optimizer, optim_state in pairs:
+                set_optimizer_state_dict(self.model, optimizer, optim_state)
         return checkpoint
 
     def _load_sharded(self, path: Path, optimizers: list, strict: bool, trusted: bool = False) -> dict[str, Any]:
@@ -824,7 +825,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         except CheckpointSecurityError as e:
             raise _untrusted_objects(path / META_FILE, e) from e
         # the param groups a finetuning callback added, before the optimizer templates are built from them
-        finetuning.restore_param_groups(self.lightning_module._trainer, meta.get("callbacks") or {})
+        with finetuning.param_groups_restored(self.lightning_module._trainer, meta.get("callbacks") or {}):
+            self._load_sharded_states(path, optimizers, strict)
+        return meta
+
+    def _load_sharded_states(self, path: Path, optimizers: list, strict: bool) -> None:
+        """The model and optimizer states of a sharded directory, checked before anything is copied."""
         keys = loading.saved_keys(path)
         saved = _top_level_entries(keys)
         state = {loading.model_entry(saved, path): get_model_state_dict(self.model)}  # FSDPStrategy: "model"
@@ -843,7 +849,6 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" in state:  # tensors are in place already; this sets the hyperparameters
                 set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
-        return meta
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:

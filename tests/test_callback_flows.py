@@ -113,6 +113,39 @@ def test_backbone_finetuning_resumed_after_the_unfreezing_equals_the_uninterrupt
     assert _worst(_full(resumed), _full(first)) > 1e-3  # the resumed epoch trained
 
 
+class AdamBackbone(Backbone):
+    """``Backbone`` with another optimizer than the one that saved the checkpoint."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.model.parameters() if p.requires_grad], lr=self.lr)
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
+@distributed(world_size=2)
+def test_a_resume_whose_optimizer_state_does_not_fit_leaves_the_finetuning_groups_as_they_were(
+    state_dict_type, tmp_path
+):
+    """The callback's groups are rebuilt before the optimizer state is loaded; when the load fails (here: the
+    rebuilt groups lack Adam's hyperparameters, a ``KeyError: 'betas'`` inside the load without the check), the
+    optimizer keeps its own groups and the backbone stays frozen (they were left rebuilt and trainable)."""
+    path = _shared_path(tmp_path, "unfrozen.ckpt")
+
+    def trainer(epochs: int):
+        strategy = strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type)
+        callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+        return _trainer(strategy=strategy, max_steps=-1, limit_train_batches=3, max_epochs=epochs, callbacks=callbacks)
+
+    interrupted = trainer(2)
+    interrupted.fit(Backbone())
+    interrupted.save_checkpoint(path)
+    again, module = trainer(3), AdamBackbone()
+    with pytest.raises(ValueError, match=r"optimizer 0 \(Adam\) .* lack its hyperparameters \['amsgrad', 'betas'"):
+        again.fit(module, ckpt_path=path)
+    assert len(again.optimizers[0].param_groups) == 1
+    assert not any(p.requires_grad for p in module.backbone.parameters())
+    assert not again.callbacks[0]._internal_optimizer_metadata  # the callback's own state is back too
+
+
 class Summarized(Flow):
     def __init__(self, arch: str = "gpt", mirrors: int | None = None) -> None:
         super().__init__(arch, mirrors)

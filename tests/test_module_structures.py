@@ -362,6 +362,44 @@ class SparseEmbedding(nn.Module):
         return F.cross_entropy(self(x).reshape(-1, V), y.reshape(-1))
 
 
+class CachedOrthoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = parametrizations.orthogonal(nn.Linear(E, E))
+        self.sn = parametrizations.spectral_norm(nn.Linear(E, E))
+
+    def forward(self, x):
+        return x + torch.tanh(self.sn(self.proj(x)))
+
+
+class CachedParametrization(nn.Module):
+    """Blocks (FSDP units) with parametrized weights, each called twice inside ``parametrize.cached()``: the
+    computed weights are cached across the calls (and the unit's reshard between them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CachedOrthoBlock() for _ in range(2))
+
+    def forward(self, x):
+        with parametrize.cached():
+            for block in self.blocks:
+                x = block(block(x))
+        return x
+
+    def loss(self, x, y):
+        return F.mse_loss(self(x), y)
+
+
+class BatchNormUNet(UNet):
+    """The UNet with BatchNorm2d instead of GroupNorm (running statistics in every block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in (self.down1, self.down2, self.mid, self.up1, self.up2):
+            block.norm1 = nn.BatchNorm2d(block.norm1.num_channels)
+            block.norm2 = nn.BatchNorm2d(block.norm2.num_channels)
+
+
 # ---------------------------------------------------------------------------------------------- registry
 FAMILIES = {  # name: (builder, data)
     "rnn": (RecurrentNet, _tokens),
@@ -378,6 +416,8 @@ FAMILIES = {  # name: (builder, data)
     "checkpoint_sequential": (CheckpointedSequential, _sequences),
     "checkpoint_sequential_reentrant": (lambda: CheckpointedSequential(use_reentrant=True), _sequences),
     "sparse_embedding": (SparseEmbedding, _tokens),
+    "cached_parametrization": (CachedParametrization, _sequences),
+    "bn_unet": (BatchNormUNet, _images),
 }
 
 
@@ -484,7 +524,7 @@ def fit_expecting(name: str, tp: int, error: type[Exception], match: str) -> str
 
 
 WORKING = ["rnn", "param", "unet", "unet_channels_last", "universal"]
-WORKING += ["shared_across_units", "checkpoint_sequential", "checkpoint_sequential_reentrant"]
+WORKING += ["cached_parametrization", "shared_across_units", "checkpoint_sequential", "checkpoint_sequential_reentrant"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -534,6 +574,21 @@ def test_transformers_after_fit_under_no_grad_and_inference_mode(tp, name):
             torch.testing.assert_close(module(x), ref(x), rtol=0, atol=TOL[tp])
 
 
+@distributed(world_size=2)
+def test_batchnorm_unet_under_tp_and_its_checkpoint(tmp_path):
+    # Under TP 2 both ranks see the whole batch: running statistics equal one process's. A full checkpoint holds
+    # them and loads back into a plain model.
+    module, ref = fit_and_compare("bn_unet", 2, state_dict_type="full")
+    path = str(tmp_path / "bn.ckpt") if dist.get_rank() == 0 else None
+    path = [path]
+    dist.broadcast_object_list(path)
+    module.trainer.save_checkpoint(path[0])
+    if dist.get_rank() == 0:
+        state = torch.load(path[0], weights_only=True)["state_dict"]
+        for n, b in ref.named_buffers():
+            torch.testing.assert_close(state[f"model.{n}"], b, rtol=0, atol=TOL[2])
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @distributed(world_size=2)
 def test_sparse_embedding_is_refused(tp):
@@ -570,7 +625,7 @@ def test_functional_call_is_refused():
     model, ref = _sharded_universal()
     x = torch.randn(4, T, E, generator=torch.Generator().manual_seed(3))
     params = {n: p.detach() * 0.5 for n, p in ref.named_parameters()}
-    with pytest.raises(RuntimeError, match="replaced on its module.*functional_call"):
+    with pytest.raises(RuntimeError, match="replaced or removed on its module.*functional_call"):
         torch.func.functional_call(model, params, (x,))
     # The fix the message names: a plain copy from the full state dict.
     from lightning_shard.checkpoint import get_model_state_dict
@@ -599,3 +654,28 @@ def test_torch_func_per_sample_gradients_are_refused():
         expected = torch.func.vmap(lambda xi: ref(xi[None]))(x)
         torch.testing.assert_close(torch.func.vmap(lambda xi: model(xi[None]))(x), expected, rtol=0, atol=1e-6)
     model(x).sum().backward()  # nothing left half-done: a normal step runs after the errors
+
+
+@distributed(world_size=2)
+def test_tp_plan_naming_an_rnn_or_a_parametrized_linear_is_refused():
+    # The automatic plan leaves both replicated (test_structure_trains_like_one_process); a plan naming them is
+    # refused before any collective, naming the module.
+    from lightning_shard import init_device_mesh
+    from lightning_shard.tp import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    for model, key, kind in (
+        (RecurrentNet(), "blocks.0.lstm", "LSTM"),
+        (ParamNet(), "blocks.0.sn", "ParametrizedLinear"),
+    ):
+        with pytest.raises(ValueError, match=f"'{key}': module type {kind} is not supported"):
+            parallelize_module(model, mesh, {key: ColwiseParallel()})
+
+
+@distributed(world_size=2)
+def test_parametrization_registered_after_sharding_is_refused():
+    # weight_norm on a unit's Linear after fully_shard: the forward failed on a DTensor-plain mix naming neither.
+    model, _ = _sharded_universal()
+    parametrizations.weight_norm(model.block.ff)
+    with pytest.raises(RuntimeError, match="'ff.weight' was replaced or removed.*parametrization registered after"):
+        model(torch.randn(4, T, E))

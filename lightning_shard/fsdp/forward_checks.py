@@ -3,6 +3,7 @@
 * ``torch.func.functional_call`` (and ``nn.utils.stateless``) registers the caller's tensors on the modules
   for one call. The unit's all-gather then registered its own unsharded parameters over them: the forward ran
   with the model's weights, not the caller's, and returned a wrong result with no error (2.3 off in a test).
+  A parametrization registered after ``fully_shard`` moves the parameter away from its name: the same check.
 * ``torch.func`` transforms that differentiate (``grad``, ``jacrev``, ..., and ``vmap`` with autograd on) wrap
   tensors in functorch wrappers that have no storage: the all-gather failed with "Cannot access storage of
   TensorWrapper". ``vmap`` alone under ``torch.no_grad()`` works and is let through.
@@ -45,11 +46,17 @@ def check_forward_parameters(unit: str, group: FSDPParamGroup | None) -> None:
     for fp in group.params:
         for module, name in fp.refs:
             registered = module._parameters.get(name)
-            if registered is not fp.sharded and registered is not fp.unsharded:
+            if registered is None or (registered is not fp.sharded and registered is not fp.unsharded):
                 raise RuntimeError(
-                    f"fully_shard unit {unit}: parameter {fp.fqn!r} was replaced on its module for this call "
-                    f"(torch.func.functional_call, nn.utils.stateless or a direct assignment; found "
-                    f"{type(registered).__name__} of shape {tuple(getattr(registered, 'shape', ()))}). The unit "
-                    "would all-gather and use its own values instead, so functional_call over a fully_shard-ed "
-                    f"module is not supported. {_FIX}"
+                    f"fully_shard unit {unit}: parameter {fp.fqn!r} was replaced or removed on its module "
+                    "(torch.func.functional_call, nn.utils.stateless, a parametrization registered after "
+                    f"fully_shard, or an assignment; found {_describe(registered)}). The unit would all-gather "
+                    "and register its own values over it, so functional_call over a fully_shard-ed module is not "
+                    f"supported, and parametrizations must be registered before fully_shard. {_FIX}"
                 )
+
+
+def _describe(registered) -> str:
+    if registered is None:
+        return "no parameter under that name"
+    return f"a {type(registered).__name__} of shape {tuple(registered.shape)}"

@@ -3,10 +3,10 @@
 compared with one process on the same global batches (parameters, buffers, validation loss), or checked to
 raise a clear error on every rank. docs/fsdp.md ("More module structures") has the table.
 
-* Train as one process: LSTM/GRU inside FSDP units, parametrizations (orthogonal, spectral norm, weight norm,
+* Train as one process: LSTM/GRU inside FSDP units (also fed PackedSequences), parametrizations (orthogonal, spectral norm, weight norm,
   custom; also under ``parametrize.cached()``), a UNet (also channels_last; with BatchNorm under TP), an FNO
   layer holding its complex weight as a real view, nn.Transformer / TransformerEncoder / MultiheadAttention
-  (after fit under no_grad and inference_mode too), a block called 3 times, a Linear shared by two units,
+  (also kdim/vdim cross-attention; after fit under no_grad and inference_mode too), a block called 3 times, a Linear shared by two units,
   checkpoint_sequential, vmap under no_grad.
 * Fixed: TransformerEncoder with a key padding mask under TP crashed at validation (nested tensors met the TP
   hooks); functional_call over a sharded module returned the model's own result with no error.
@@ -413,6 +413,54 @@ class BatchNormUNet(UNet):
             block.norm2 = nn.BatchNorm2d(block.norm2.num_channels)
 
 
+class PackedLSTM(nn.Module):
+    """An LSTM block (an FSDP unit) fed a ``PackedSequence`` of variable-length rows (lengths from the data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(E, E, batch_first=True, bidirectional=True)
+
+    def forward(self, packed):
+        return self.lstm(packed)[0]
+
+
+class PackedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, E)
+        self.blocks = nn.ModuleList([PackedLSTM(), PackedLSTM()])
+        self.proj = nn.Linear(2 * E, E)
+        self.head = nn.Linear(2 * E, V)
+
+    def forward(self, x):
+        lengths = 2 + x[:, 0] % (T - 1)  # 2..T tokens per row, from the data
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            packed = nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+            out, _ = nn.utils.rnn.pad_packed_sequence(block(packed), batch_first=True, total_length=T)
+            h = self.proj(out) if i == 0 else out
+        return self.head(h)
+
+    def loss(self, x, y):
+        return F.cross_entropy(self(x).reshape(-1, V), y.reshape(-1))
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with kdim/vdim != embed_dim (separate q/k/v projection weights) and bias_k/bias_v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mem = nn.Linear(E, 4)
+        self.attn = nn.MultiheadAttention(E, 2, kdim=4, vdim=4, batch_first=True, add_bias_kv=True)
+
+    def forward(self, x):
+        m = self.mem(x)
+        return self.attn(x, m, m)[0]
+
+    def loss(self, x, y):
+        return F.mse_loss(self(x), y)
+
+
 # ---------------------------------------------------------------------------------------------- registry
 FAMILIES = {  # name: (builder, data)
     "rnn": (RecurrentNet, _tokens),
@@ -431,6 +479,8 @@ FAMILIES = {  # name: (builder, data)
     "sparse_embedding": (SparseEmbedding, _tokens),
     "cached_parametrization": (CachedParametrization, _sequences),
     "bn_unet": (BatchNormUNet, _images),
+    "packed_lstm": (PackedNet, _tokens),
+    "cross_attention": (CrossAttention, _sequences),
 }
 
 
@@ -537,12 +587,13 @@ def fit_expecting(name: str, tp: int, error: type[Exception], match: str) -> str
 
 
 WORKING = ["rnn", "param", "unet", "unet_channels_last", "universal"]
-WORKING += ["cached_parametrization", "shared_across_units", "checkpoint_sequential", "checkpoint_sequential_reentrant"]
+WORKING += ["packed_lstm", "cross_attention", "cached_parametrization", "shared_across_units"]
+WORKING += ["checkpoint_sequential", "checkpoint_sequential_reentrant"]
 
 
 # TP 2 by default where the automatic plan has a choice to make (leave the RNNs and parametrizations replicated);
 # elsewhere it shards nothing of these models or the FSDP case covers the structure: slow.
-TP_BY_DEFAULT = {"rnn", "param"}
+TP_BY_DEFAULT = {"rnn", "param", "cross_attention"}
 CASES = [(name, 1) for name in WORKING] + [
     pytest.param(name, 2, marks=() if name in TP_BY_DEFAULT else pytest.mark.slow) for name in WORKING
 ]

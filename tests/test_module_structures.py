@@ -3,13 +3,15 @@
 compared with one process on the same global batches (parameters, buffers, validation loss), or checked to
 raise a clear error on every rank. docs/fsdp.md ("More module structures") has the table.
 
-* Train as one process: LSTM/GRU inside FSDP units (also fed PackedSequences), parametrizations (orthogonal, spectral norm, weight norm,
-  custom; also under ``parametrize.cached()``), a UNet (also channels_last; with BatchNorm under TP), an FNO
-  layer holding its complex weight as a real view, nn.Transformer / TransformerEncoder / MultiheadAttention
-  (also kdim/vdim cross-attention; after fit under no_grad and inference_mode too), a block called 3 times, a Linear shared by two units,
-  checkpoint_sequential, vmap under no_grad.
+* Train as one process: LSTM/GRU inside FSDP units (also fed PackedSequences), parametrizations (orthogonal,
+  spectral norm, weight norm, custom; also under ``parametrize.cached()``), a UNet (also channels_last; with
+  BatchNorm under TP), an FNO layer holding its complex weight as a real view, nn.Transformer /
+  TransformerEncoder / MultiheadAttention (also kdim/vdim cross-attention; after fit under no_grad and
+  inference_mode too), a block called 3 times, a Linear shared by two units, checkpoint_sequential, vmap under
+  no_grad.
 * Fixed: TransformerEncoder with a key padding mask under TP crashed at validation (nested tensors met the TP
-  hooks); functional_call over a sharded module returned the model's own result with no error.
+  hooks); functional_call over a sharded module returned the model's own result with no error; an RNN after
+  the blocks under sequence_parallel=True trained on each rank's part of the sequence (now refused).
 * Clear errors added: sparse embeddings, torch.func grad/vmap with autograd, a parametrization registered
   after sharding, a parent reading a child unit's parameter (the message blamed the optimizer), complex
   parameters (the message names the real-view workaround).
@@ -750,3 +752,38 @@ def test_parametrization_registered_after_sharding_is_refused():
     parametrizations.weight_norm(model.block.ff)
     with pytest.raises(RuntimeError, match="'ff.weight' was replaced or removed.*parametrization registered after"):
         model(torch.randn(4, T, E))
+
+
+class LlamaRNNHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.tp_models import Llama
+
+        self.llama = Llama(vocab=V, dim=E, n_layers=2, n_heads=2, n_kv_heads=2, hidden=16, max_len=T)
+        self.gru = nn.GRU(E, E, batch_first=True)
+
+    def forward(self, x):
+        llama = self.llama
+        h = llama.tok_embeddings(x)
+        for layer in llama.layers:
+            h = layer(h)
+        h = llama.norm(h)
+        h = h + self.gru(h)[0]
+        return llama.output(h)
+
+    def loss(self, x, y):
+        return F.cross_entropy(self(x).reshape(-1, V), y.reshape(-1))
+
+
+FAMILIES["llama_rnn_head"] = (LlamaRNNHead, _tokens)
+
+
+@distributed(world_size=2)
+def test_rnn_after_the_blocks_under_sequence_parallel():
+    # "auto" turned sequence parallel off already (the GRU's weight reads as a position table); True trained the
+    # GRU on each rank's half of the sequence with no error (0.008 off after 3 steps). Now True is refused.
+    module, _ = fit_and_compare("llama_rnn_head", 2)
+    assert module.trainer.strategy.parallel_summary["tp_summary"][0].startswith("sequence_parallel: off (GRU")
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True cannot apply: GRU model.gru runs over the whole"):
+        _trainer(strategy=strategy, max_steps=STEPS).fit(Lit("llama_rnn_head"))

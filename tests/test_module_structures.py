@@ -596,7 +596,8 @@ WORKING += ["checkpoint_sequential", "checkpoint_sequential_reentrant"]
 # TP 2 by default where the automatic plan has a choice to make (leave the RNNs and parametrizations replicated);
 # elsewhere it shards nothing of these models or the FSDP case covers the structure: slow.
 TP_BY_DEFAULT = {"rnn", "param", "cross_attention"}
-CASES = [(name, 1) for name in WORKING] + [
+SLOW_FSDP = {"checkpoint_sequential_reentrant"}  # the non-reentrant case runs by default
+CASES = [pytest.param(name, 1, marks=pytest.mark.slow) if name in SLOW_FSDP else (name, 1) for name in WORKING] + [
     pytest.param(name, 2, marks=() if name in TP_BY_DEFAULT else pytest.mark.slow) for name in WORKING
 ]
 
@@ -620,7 +621,7 @@ def test_complex_parameter_refused_and_its_real_view_trains_like_it(tp):
     "options",
     [
         {"activation_checkpointing_policy": {SharedBlock}},
-        {"reshard_after_forward": False},
+        pytest.param({"reshard_after_forward": False}, marks=pytest.mark.slow),
         {"sharding_strategy": "SHARD_GRAD_OP", "activation_checkpointing_policy": {SharedBlock}},
     ],
 )
@@ -630,8 +631,11 @@ def test_block_called_three_times(options):
     fit_and_compare("universal", 1, **options)
 
 
-@pytest.mark.parametrize("name", ["transformer", "padded_encoder"])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("tp", "name"),
+    [pytest.param(1, "transformer", marks=pytest.mark.slow), (1, "padded_encoder"), (2, "transformer")]
+    + [(2, "padded_encoder")],
+)
 @distributed(world_size=2)
 def test_transformers_after_fit_under_no_grad_and_inference_mode(tp, name):
     # Eval takes torch's fused paths (_transformer_encoder_layer_fwd, _native_multi_head_attention, nested

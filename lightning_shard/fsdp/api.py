@@ -314,6 +314,7 @@ def _collect_params(modules, ignored: set[int], device: torch.device, mesh: Devi
                 if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False):
                     continue  # a nested fully_shard owns it
                 fqn = f"{mod_name}.{name}" if mod_name else name
+                _check_dense_gradient(sub, mod_name, fqn)
                 _check_not_taken(modules, fqn, p)
                 if isinstance(p, DTensor):
                     _check_tp_param(fqn, p, mesh)
@@ -326,6 +327,18 @@ def _collect_params(modules, ignored: set[int], device: torch.device, mesh: Devi
         originals.append(p if p.device.type in ("meta", device.type) else p.to(device))
     _check_not_top_down(modules)
     return params, originals
+
+
+def _check_dense_gradient(module: nn.Module, mod_name: str, fqn: str) -> None:
+    """``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)`` give their weight a sparse COO gradient,
+    which the reduce-scatter into a flat gradient buffer cannot take (it failed deep inside backward with
+    "Could not run 'aten::as_strided' with arguments from the 'SparseCPU' backend" or a stride error)."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+        raise ValueError(
+            f"fully_shard: '{mod_name or type(module).__name__}' is an {type(module).__name__} with sparse=True, "
+            f"whose parameter {fqn!r} gets sparse gradients, which fully_shard cannot reduce-scatter. Build it "
+            "with sparse=False (the same gradient values, dense; use torch.optim.Adam/AdamW instead of SparseAdam)"
+        )
 
 
 # A parameter a fully_shard call took keeps its original object registered wherever that call's modules do not

@@ -30,6 +30,14 @@ def built_on_meta(param: torch.Tensor) -> bool:
     return getattr(param, BUILT_ON_META, False)
 
 
+# torch's optimizers step a complex parameter as its real view, so the real-view parameter trains the same.
+_COMPLEX_HINT = (
+    " For a complex parameter, store its real view instead, nn.Parameter(torch.view_as_real(w)) (a trailing "
+    "dimension of 2), and use torch.view_as_complex(self.weight) in forward: the same values, gradients and "
+    "optimizer steps, sharded as a float tensor."
+)
+
+
 class FSDPParam:
     """Book-keeping for one parameter of an FSDP group (see module docstring)."""
 
@@ -38,6 +46,7 @@ class FSDPParam:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} has dtype {param.dtype}; only floating-point parameters can be "
                 "sharded. Register it as a buffer, or pass it in ignored_params to keep it replicated."
+                + (_COMPLEX_HINT if param.is_complex() else "")
             )
         if param.ndim == 0:
             raise ValueError(

@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import Variable
 
+from lightning_shard.fsdp.forward_checks import check_forward_parameters
 from lightning_shard.fsdp.param_group import FSDPParamGroup
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy
 from lightning_shard.fsdp.training_state import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, TrainingState, UnitState
@@ -152,6 +153,7 @@ class FSDPState:
         self._lazy_init()
         if self._nested_call():
             return args, kwargs
+        check_forward_parameters(self.unit.unit, self.group)  # functional_call, torch.func: forward_checks.py
         if self.is_root and not _in_backward():
             self._root_pre_forward()
         before = self.unit.current

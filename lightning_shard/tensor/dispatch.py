@@ -26,6 +26,7 @@ import sys
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
 from lightning_shard.tensor._decisions import (
     _DECISIONS,
@@ -230,10 +231,13 @@ def _fsdp_hint(specs: list[DTensorSpec]) -> str:
                 ". A DTensor sharded over 'data_parallel' here is usually a parameter still sharded by fully_shard: "
                 "its module ran outside the forward of its fully_shard unit, whose hooks all-gather it (e.g. "
                 "checkpoint_sequential over a fully_shard-ed nn.Sequential calls its children directly, as does a "
-                "forward calling a child of another unit, or a submodule of a Lightning module called directly "
+                "forward calling a child of another unit; a forward reading another unit's parameter itself, e.g. "
+                "F.linear(h, self.block.proj.weight) or self.block.norm.weight, meets it sharded whenever that "
+                "unit is not inside its own forward; or a submodule of a Lightning module called directly "
                 "after fit: under Trainer(strategy='shard_fsdp_tp') the LightningModule is the root unit). Call the "
                 "unit itself, fully_shard the children, or all-gather the unit's parameters around the direct "
-                "call: module.unshard(), then module.reshard() (module: the unit, e.g. the LightningModule)"
+                "call: module.unshard(), then module.reshard() (module: the unit, e.g. the LightningModule); for "
+                "a parameter read outside its module, keep the reader and the owner in one unit (fsdp_unit)"
             )
     return ""
 
@@ -245,6 +249,10 @@ def _optimizer_hint() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            # A module's forward inside step(): the closure (Lightning runs every training_step in one), whose
+            # plain tensors are activations, not the optimizer's state.
+            return ""
         if frame.f_code.co_name == "step" and isinstance(owner, torch.optim.Optimizer):
             name = f"{type(owner).__module__}.{type(owner).__qualname__}"
             return (

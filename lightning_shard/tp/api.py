@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tp._torch_styles import from_torch
+from lightning_shard.tp.nested_encoder import keep_encoders_padded
 from lightning_shard.tp.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -43,6 +44,8 @@ def parallelize_module(
     Every check runs before any collective and raises ``ValueError``: a mesh that is not 1-D, a key that
     matches no module (with near matches), a style on an unsupported module type, a sharded size not
     divisible by the TP size, a tied parameter planned with two different placements.
+    An ``nn.TransformerEncoder`` whose layers a style hooks runs its eval forward on padded tensors, never
+    nested ones, with the nested path's results (``nested_encoder.py``).
 
     Example: ``parallelize_module(model, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})``.
     """
@@ -62,6 +65,8 @@ def parallelize_module(
         style.src_data_rank = src_data_rank
         style._apply(sub, device_mesh)
     _retie(ties)
+    # The styles' hooks cannot take the nested tensors nn.TransformerEncoder makes in eval (nested_encoder.py).
+    keep_encoders_padded(module, [sub for _, sub, _ in items])
     return module
 
 

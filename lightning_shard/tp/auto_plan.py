@@ -45,9 +45,10 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   input with ``PrepareModuleInput``, output projections reduce-scatter. Without an LM head the last block's
   output is gathered (``PrepareModuleOutput``) for a pooler/classifier. Only when every block's attention
   and MLP are sharded submodules; otherwise the summary says why it is off. A Hugging Face model where it
-  would be on gets a ``ValueError`` (its forward builds masks and positions from the sharded embedding output).
+  would be on gets a ``ValueError`` (its forward builds masks and positions from the sharded embedding output),
+  as does a model holding an RNN (``nn.LSTM``/``nn.GRU``/``nn.RNN``, which runs over the whole sequence).
   ``sequence_parallel="auto"`` (the strategy's default) is ``True`` where that applies, except that a Hugging
-  Face model, or a tensor of 2+ dims outside the blocks owned by anything but an embedding, Linear or norm
+  Face model, an RNN, or a tensor of 2+ dims outside the blocks owned by anything but an embedding, Linear or norm
   (a position table the model's own code could slice by the local sequence length), turns it off with the
   reason instead.
 
@@ -501,6 +502,16 @@ def _sequence_parallel_blocker(blocks: list[str], attns: dict, mlps: dict, mha: 
     return None
 
 
+def _recurrence(modules: dict[str, nn.Module]) -> str | None:
+    """An RNN (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) anywhere in the model, else None: it runs over the whole
+    sequence, and sequence parallel hands it each rank's part (an LSTM head after the blocks trained wrong under
+    ``sequence_parallel=True`` with no error)."""
+    for fqn, m in modules.items():
+        if isinstance(m, nn.RNNBase):
+            return f"{type(m).__name__} {fqn} runs over the whole sequence"
+    return None
+
+
 def _position_table_outside_blocks(model: nn.Module, modules: dict[str, nn.Module], blocks: list[str]) -> str | None:
     """For ``"auto"``: a tensor of 2+ dims outside the blocks that no position-wise module owns, else None.
 
@@ -677,6 +688,13 @@ def auto_tp_plan(
                     "parallel shards along the sequence (a shape mismatch in forward); pass sequence_parallel=False"
                 )
             why = f"the Hugging Face model {hf} builds its attention mask and positions from the embedding output"
+        if why is None:
+            why = _recurrence(modules)
+            if why is not None and sequence_parallel is True:  # it cannot work: refuse, as for Hugging Face
+                raise ValueError(
+                    f"auto_tp_plan: sequence_parallel=True cannot apply: {why} (it would see each rank's part of "
+                    "the sequence only, a wrong result with no error); pass sequence_parallel=False"
+                )
         if why is None and sequence_parallel == "auto":
             why = _position_table_outside_blocks(model, modules, blocks)
         if why:

@@ -105,6 +105,11 @@ def _check_type(style: str, fqn: str, module: nn.Module) -> None:
             f"{style} on '{fqn}': module type {_type_name(module)} is not supported; {style} shards "
             "nn.Linear, Hugging Face Conv1D and nn.Embedding (plan a parent module's children instead)"
         )
+    if isinstance(module, nn.Embedding) and module.sparse:  # a sparse COO gradient of a DTensor weight: no rule
+        raise ValueError(
+            f"{style} on '{fqn}': nn.Embedding(sparse=True) gets sparse gradients, which tensor parallelism cannot "
+            "shard; build it with sparse=False (the same gradient values, dense), or leave it out of the plan"
+        )
 
 
 def _check_divisible(style: str, fqn: str, module: nn.Module, what: str, size: int, tp_size: int) -> None:

@@ -38,6 +38,7 @@ from lightning_shard.tensor._decisions import (
 )
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
+from lightning_shard.tensor.implicit import implicit_replication_enabled
 from lightning_shard.tensor.ops import _view_copies as view_copies
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.ops._registry import OpCall, Plan, find_rule, is_inplace
@@ -273,14 +274,15 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
     promoted = False
     for i, a in enumerate(flat):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if a.numel() != 1:
+            if a.numel() != 1 and not implicit_replication_enabled():
                 raise RuntimeError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
                     + (_optimizer_hint() or _fsdp_hint(specs))
                 )
-            # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate.
+            # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate. Under
+            # implicit_replication() the caller promises the same of a larger plain tensor.
             flat[i] = DTensor(
                 a, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype), requires_grad=False
             )

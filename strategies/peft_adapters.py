@@ -36,7 +36,12 @@ from torch import nn
 
 from lightning_shard.tensor import DTensor
 
-__all__ = ["guard_save_pretrained", "refuse_prefix_tuning_under_tp", "wrap_adalora"]
+__all__ = ["guard_save_pretrained", "refuse_prefix_tuning_under_tp", "wrap_adalora", "wrap_peft_methods"]
+
+
+def wrap_peft_methods(model: nn.Module) -> list[str]:
+    """``wrap_adalora`` and ``guard_save_pretrained`` on a sharded ``model`` (the Trainer's and Fabric's setup)."""
+    return wrap_adalora(model) + guard_save_pretrained(model)
 
 
 def refuse_prefix_tuning_under_tp(model: nn.Module, tp_size: int, tp_plan) -> None:

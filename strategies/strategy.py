@@ -67,7 +67,7 @@ from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
-from strategies.peft_adapters import guard_save_pretrained, refuse_prefix_tuning_under_tp, wrap_adalora
+from strategies.peft_adapters import refuse_prefix_tuning_under_tp, wrap_peft_methods
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -523,8 +523,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self._parallelize(model)
             model._shard_fsdp_tp_done = True
         unsupported.refuse_exports(model)
-        wrap_adalora(model)
-        guard_save_pretrained(model)
+        wrap_peft_methods(model)
         self.model = model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -428,3 +428,24 @@ def test_dtensor_tolist_and_implicit_replication():
     with implicit_replication():
         x.masked_fill_(mask, -1.0)
     assert torch.equal(x.full_tensor(), values.masked_fill(mask, -1.0))
+
+
+@distributed(world_size=2)
+def test_fabric_adalora_and_save_pretrained():
+    # Fabric's setup_module wraps the same peft methods as the Trainer's setup (FSDP 2: each rank its own half of
+    # every global batch).
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
+    fabric.launch()
+    model = make_peft("adalora")
+    model, opt = fabric.setup(model, _optimizer(model, "adalora"))
+    rows, rank = _data("adalora"), dist.get_rank()
+    for i, idx in enumerate(sampler_batches(2, 2, n=len(rows))[:ADA_STEPS]):
+        opt.zero_grad()
+        fabric.backward(_loss(model, "adalora", rows[idx.chunk(2)[rank]]))
+        opt.step()
+        model.module.base_model.update_and_allocate(i)
+    ref = dict(_reference_adalora(world=2).named_parameters())
+    ours = {n: _full(p) for n, p in model.module.named_parameters()}
+    assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-5
+    with pytest.raises(RuntimeError, match="parameters are sharded"):
+        model.module.save_pretrained("unused")

@@ -54,6 +54,14 @@ def _peft_config(name: str):
     qvd = ["q_proj", "v_proj", "down_proj"]
     configs = {
         "gc": lambda: peft.LoraConfig(**lora, target_modules=qvd),
+        "tied_embedding": lambda: peft.LoraConfig(**lora, target_modules=["embed_tokens", "q_proj"]),
+        "tied_save_head": lambda: peft.LoraConfig(**lora, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        "trainable_tokens": lambda: peft.LoraConfig(
+            **lora, target_modules=["q_proj"], trainable_token_indices=[1, 5, 9]
+        ),
+        "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj"]),
+        "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
         "adamw_all": lambda: peft.LoraConfig(**lora, target_modules=qvd),
         "dora": lambda: peft.LoraConfig(**lora, target_modules=qvd, use_dora=True),
         "rslora": lambda: peft.LoraConfig(**lora, target_modules=qvd, use_rslora=True),
@@ -77,7 +85,13 @@ def _peft_config(name: str):
     return configs[name]()
 
 
-_BASE = {"seq_cls": _classifier, "lora_only_bias": lambda: H.build("qwen2"), "all_bias": lambda: H.build("qwen2")}
+_BASE = {
+    "seq_cls": _classifier,
+    "tied_embedding": lambda: H.build("qwen2"),
+    "tied_save_head": lambda: H.build("qwen2"),
+    "lora_only_bias": lambda: H.build("qwen2"),
+    "all_bias": lambda: H.build("qwen2"),
+}
 
 
 def make_peft(name: str) -> torch.nn.Module:
@@ -196,7 +210,8 @@ ADAPTER_CASES = [
         for name, tps in {
             "dora": [1], "seq_cls": [2], "ia3": [1], "prompt": [1], "prefix": [1], "rslora": [1, 2],
             "all_linear": [1, 2], "embedding": [1, 2], "lora_only_bias": [1, 2], "all_bias": [1, 2],
-            "loha": [1, 2], "lokr": [1, 2], "gc": [1, 2], "adamw_all": [1, 2],
+            "loha": [1, 2], "lokr": [1, 2], "gc": [1, 2], "adamw_all": [1, 2], "tied_embedding": [1, 2],
+            "tied_save_head": [1, 2], "trainable_tokens": [1, 2], "vera": [1, 2], "oft": [1, 2], "ln_tuning": [1, 2],
         }.items()
         for tp in tps
     ],

@@ -464,3 +464,34 @@ def test_fabric_adalora_and_save_pretrained():
     assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-5
     with pytest.raises(RuntimeError, match="parameters are sharded"):
         model.module.save_pretrained("unused")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [{"cpu_offload": True}, {"reshard_after_forward": False}, {"sharding_strategy": "NO_SHARD"}],
+)
+@distributed(world_size=2)
+def test_dora_with_strategy_options_matches_one_process(options):
+    lit = LitPeft("dora")
+    _trainer(1, strategy=strategies.ShardFSDPTPStrategy(**options)).fit(lit)
+    _check_against_reference(lit, "dora", dp=2, tol=1e-5)
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_lora_with_gradient_accumulation_matches_one_process():
+    lit = LitPeft("rslora")
+    _trainer(1, accumulate_grad_batches=2, max_steps=2).fit(lit)
+    model = make_peft("rslora")
+    opt = _optimizer(model, "rslora")
+    rows = _data("rslora")
+    batches = iter(sampler_batches(2, 2, n=len(rows)))
+    for _ in range(2):
+        opt.zero_grad()
+        for _ in range(2):
+            (_loss(model, "rslora", rows[next(batches)]) / 2).backward()
+        opt.step()
+    ours = {n: _full(p) for n, p in lit.model.named_parameters()}
+    worst = {n: (ours[n] - model.get_parameter(n)).abs().max().item() for n in ours}
+    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]

@@ -495,3 +495,22 @@ def test_lora_with_gradient_accumulation_matches_one_process():
     ours = {n: _full(p) for n, p in lit.model.named_parameters()}
     worst = {n: (ours[n] - model.get_parameter(n)).abs().max().item() for n in ours}
     assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+
+
+@distributed(world_size=2)
+def test_non_lora_adapter_built_on_meta_names_get_peft_model_as_the_fix(tmp_path):
+    # IA3 (as LoHa, LoKr, VeRA, OFT) on a loaded model under empty_init: its adapter weights are built on meta and
+    # nothing initialises them after sharding. The first step raises on every rank, now naming peft's fix instead
+    # of only "give each owning module a reset_parameters()". (Prompt tuning fails inside get_peft_model itself.)
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hf_flows import _fit, _lm_loss, _save_base
+
+    _, path = _save_base(tmp_path, "llama")
+
+    def make():
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(path), _peft_config("ia3"))
+
+    with pytest.raises(RuntimeError, match=r"ia3_l.default' and the like are peft adapter weights.*get_peft_model"):
+        _fit(make, empty_init=True, loss=_lm_loss, data=H.token_dataset)

@@ -514,3 +514,46 @@ def test_non_lora_adapter_built_on_meta_names_get_peft_model_as_the_fix(tmp_path
 
     with pytest.raises(RuntimeError, match=r"ia3_l.default' and the like are peft adapter weights.*get_peft_model"):
         _fit(make, empty_init=True, loss=_lm_loss, data=H.token_dataset)
+
+
+class _Generating(LitPeft):
+    def predict_step(self, batch, batch_idx):
+        ids, mask, idx = batch
+        return idx, _greedy(self.model, ids, mask)
+
+    def predict_dataloader(self):
+        from tests.test_inference_flows import _prompts
+
+        return DataLoader(_prompts(), batch_size=2)
+
+
+def _greedy(model, ids, mask):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "tp"),
+    [("prompt", 2), *[pytest.param(*c, marks=_SLOW) for c in [("prompt", 1), ("rslora", 1), ("rslora", 2)]]],
+)
+@distributed(world_size=2)
+def test_generate_after_fit_matches_one_process(name, tp):
+    # PeftModelForCausalLM.generate (prompt tuning prepends the virtual tokens at the first step) in predict_step
+    from tests.test_inference_flows import _lightning_inference_mode_on_gloo, _prompts
+
+    lit = _Generating(name)
+    trainer = _trainer(tp)
+    trainer.fit(lit)
+    ref = make_peft(name)
+    trained = {n: _full(p) for n, p in lit.model.named_parameters()}
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(trained[n])
+    ref.eval()
+    with _lightning_inference_mode_on_gloo():
+        predictions = trainer.predict(lit)
+    assert predictions
+    for idx, tokens in predictions:
+        ids, mask, _ = _prompts()[idx]
+        with torch.no_grad():
+            want = _greedy(ref, ids, mask)
+        assert torch.equal(tokens, want), (idx, tokens, want)

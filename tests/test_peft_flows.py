@@ -54,6 +54,7 @@ def _peft_config(name: str):
     qvd = ["q_proj", "v_proj", "down_proj"]
     configs = {
         "gc": lambda: peft.LoraConfig(**lora, target_modules=qvd),
+        "two_adapters": lambda: peft.LoraConfig(**lora, target_modules=qvd),
         "tied_embedding": lambda: peft.LoraConfig(**lora, target_modules=["embed_tokens", "q_proj"]),
         "tied_save_head": lambda: peft.LoraConfig(**lora, target_modules=["q_proj"], modules_to_save=["lm_head"]),
         "trainable_tokens": lambda: peft.LoraConfig(
@@ -97,6 +98,7 @@ _BASE = {
 def make_peft(name: str) -> torch.nn.Module:
     """A seeded tiny model with the adapter ``name``; adapter tensors peft starts at zero get small random
     values, so that every adapter weight has a gradient from the first step."""
+    import peft
     from peft import get_peft_model
 
     base = _BASE.get(name, lambda: H.build("llama"))()
@@ -106,6 +108,8 @@ def make_peft(name: str) -> torch.nn.Module:
     model = get_peft_model(base, _peft_config(name))
     if name == "gc":
         model.enable_input_require_grads()
+    if name == "two_adapters":  # a second, inactive LoRA: frozen and unused in the forward
+        model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["k_proj", "up_proj"]))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in model.parameters():
@@ -212,6 +216,7 @@ ADAPTER_CASES = [
             "all_linear": [1, 2], "embedding": [1, 2], "lora_only_bias": [1, 2], "all_bias": [1, 2],
             "loha": [1, 2], "lokr": [1, 2], "gc": [1, 2], "adamw_all": [1, 2], "tied_embedding": [1, 2],
             "tied_save_head": [1, 2], "trainable_tokens": [1, 2], "vera": [1, 2], "oft": [1, 2], "ln_tuning": [1, 2],
+            "two_adapters": [1, 2],
         }.items()
         for tp in tps
     ],

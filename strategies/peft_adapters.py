@@ -29,8 +29,8 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import sys
+import types
 
 from torch import nn
 
@@ -69,24 +69,12 @@ def wrap_adalora(model: nn.Module) -> list[str]:
     (see the module docstring); returns their names."""
     wrapped = []
     for name, module in model.named_modules():
-        update = getattr(module, "update_and_allocate", None)
-        if not callable(update) or not hasattr(module, "rankallocator") or getattr(update, "_ls_wrapped", False):
+        # the class, not the instance: a PeftModel forwards unknown attributes to the AdaLoraModel it wraps
+        if not callable(getattr(type(module), "update_and_allocate", None)) or not hasattr(module, "rankallocator"):
             continue
-        module.update_and_allocate = _replicating(update)
-        wrapped.append(f"{name or 'the model'} ({type(module).__name__})")
+        if _bind(module, "update_and_allocate", _update_and_allocate_replicating):
+            wrapped.append(f"{name or 'the model'} ({type(module).__name__})")
     return wrapped
-
-
-def _replicating(update):
-    from lightning_shard.tensor import implicit_replication
-
-    @functools.wraps(update)
-    def run(*args, **kwargs):
-        with implicit_replication():
-            return update(*args, **kwargs)
-
-    run._ls_wrapped = True
-    return run
 
 
 def guard_save_pretrained(model: nn.Module) -> list[str]:
@@ -95,30 +83,38 @@ def guard_save_pretrained(model: nn.Module) -> list[str]:
     peft = sys.modules.get("peft")  # a model holding a PeftModel has imported peft; never import it here
     if peft is None:
         return []
-    guarded = []
-    for name, module in model.named_modules():
-        if not isinstance(module, peft.PeftModel) or getattr(module.save_pretrained, "_ls_wrapped", False):
-            continue
-        module.save_pretrained = _checked_save(module, name or "the model")
-        guarded.append(f"{name or 'the model'} ({type(module).__name__})")
-    return guarded
+    return [
+        f"{name or 'the model'} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, peft.PeftModel) and _bind(module, "save_pretrained", _save_pretrained_checked)
+    ]
 
 
-def _checked_save(module: nn.Module, name: str):
-    save = module.save_pretrained
+def _bind(module: nn.Module, method: str, function) -> bool:
+    """Set ``module.<method>`` to ``function`` bound to ``module`` (once); False if it already was.
 
-    @functools.wraps(save)
-    def run(save_directory, *args, **kwargs):
-        if kwargs.get("state_dict") is None and any(isinstance(p, DTensor) for p in module.parameters()):
-            raise RuntimeError(
-                f"{type(module).__name__}.save_pretrained({save_directory!r}) on {name}: its parameters are sharded "
-                "(DTensors), and peft would write this rank's shards (safetensors refuses them). Gather the full "
-                "state dict on every rank, then save on rank 0: `sd = lightning_shard.checkpoint."
-                "get_model_state_dict(model, full_state_dict=True, cpu_offload=True)`, then `if "
-                "trainer.is_global_zero: model.save_pretrained(directory, state_dict=sd)`; PeftModel.from_pretrained("
-                "base_model, directory) reads it back"
-            )
-        return save(save_directory, *args, **kwargs)
+    Why a bound method rather than a closure over the module: ``copy.deepcopy`` rebinds a bound method to the copy,
+    while a closure would keep acting on the original module."""
+    if getattr(vars(module).get(method), "__func__", None) is function:
+        return False
+    setattr(module, method, types.MethodType(function, module))
+    return True
 
-    run._ls_wrapped = True
-    return run
+
+def _update_and_allocate_replicating(self: nn.Module, *args, **kwargs):
+    from lightning_shard.tensor import implicit_replication
+
+    with implicit_replication():
+        return type(self).update_and_allocate(self, *args, **kwargs)
+
+
+def _save_pretrained_checked(self: nn.Module, save_directory, *args, **kwargs):
+    if kwargs.get("state_dict") is None and any(isinstance(p, DTensor) for p in self.parameters()):
+        raise RuntimeError(
+            f"{type(self).__name__}.save_pretrained({save_directory!r}): its parameters are sharded (DTensors), and "
+            "peft would write this rank's shards (safetensors refuses them). Gather the full state dict on every "
+            "rank, then save on rank 0: `sd = lightning_shard.checkpoint.get_model_state_dict(model, "
+            "full_state_dict=True, cpu_offload=True)`, then `if trainer.is_global_zero: model.save_pretrained("
+            "directory, state_dict=sd)`; PeftModel.from_pretrained(base_model, directory) reads it back"
+        )
+    return type(self).save_pretrained(self, save_directory, *args, **kwargs)

@@ -308,7 +308,7 @@ def _one_process_copy(lit) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     ("tp", "state_dict_type"),
-    [(2, "sharded"), (1, "full"), pytest.param(1, "sharded", marks=_SLOW), pytest.param(2, "full", marks=_SLOW)],
+    [(2, "sharded"), *[pytest.param(*c, marks=_SLOW) for c in [(1, "full"), (1, "sharded"), (2, "full")]]],
 )
 @distributed(world_size=2)
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, tp, state_dict_type):
@@ -450,6 +450,7 @@ def test_dtensor_tolist_and_implicit_replication():
     assert torch.equal(x.full_tensor(), values.masked_fill(mask, -1.0))
 
 
+@pytest.mark.slow
 @distributed(world_size=2)
 def test_fabric_adalora_and_save_pretrained():
     # Fabric's setup_module wraps the same peft methods as the Trainer's setup (FSDP 2: each rank its own half of

@@ -563,3 +563,46 @@ def test_generate_after_fit_matches_one_process(name, tp):
         with torch.no_grad():
             want = _greedy(ref, ids, mask)
         assert torch.equal(tokens, want), (idx, tokens, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["prompt"])
+@distributed(world_size=2)
+def test_adapter_under_loss_parallel_matches_one_process(name):
+    lit = LitPeft(name)
+    _trainer(2, strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True)).fit(lit)
+    _check_against_reference(lit, name, dp=1, tol=5e-5)
+
+
+@distributed(world_size=2)
+def test_mixing_error_in_a_closure_inside_optimizer_step_does_not_blame_the_optimizer():
+    # Lightning runs forward and backward in a closure inside optimizer.step(closure): a plain tensor mixed with a
+    # DTensor in the model's forward was reported as the optimizer's state ("This happened inside ...SGD.step()").
+    from lightning_shard import init_device_mesh
+    from lightning_shard.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    layer = torch.nn.Linear(4, 4)
+    weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+    opt = torch.optim.SGD([weight], lr=0.1)
+
+    def forward(module, args):
+        return args[0] @ weight  # a plain activation against a sharded weight: the model's mixing
+
+    layer.register_forward_pre_hook(forward)
+
+    def closure():
+        layer(torch.ones(3, 4))
+
+    with pytest.raises(RuntimeError, match="mixed with DTensor") as raised:
+        opt.step(closure)
+    assert "SGD.step()" not in str(raised.value)
+
+    class PlainState(torch.optim.Optimizer):  # state of the parameter's full shape, plain: the optimizer's mixing
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.add_(torch.zeros(p.shape))
+
+    with pytest.raises(RuntimeError, match="inside .*PlainState.step\\(\\): the optimizer built a plain tensor"):
+        PlainState([weight], {}).step()

@@ -242,10 +242,16 @@ def _fsdp_hint(specs: list[DTensorSpec]) -> str:
 def _optimizer_hint() -> str:
     """For the mixing error raised inside an optimizer's ``step()``: name the optimizer and the fix. The plain
     tensor there is the optimizer's own (state built with ``torch.zeros(p.shape)``, as transformers' Adafactor
-    does), not an activation, so the fully_shard hint would mislead. Walks the stack only when raising."""
+    does), not an activation, so the fully_shard hint would mislead. Walks the stack only when raising.
+
+    A module's forward or an autograd backward nearer to the op than the ``step`` frame means the op belongs to
+    the model, not to the optimizer: Lightning runs the whole training step (forward and backward) in a closure
+    inside ``optimizer.step(closure)``, and the hint blamed the optimizer's state for a model's mixing."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) or frame.f_code.co_name == "_engine_run_backward":
+            return ""
         if frame.f_code.co_name == "step" and isinstance(owner, torch.optim.Optimizer):
             name = f"{type(owner).__module__}.{type(owner).__qualname__}"
             return (

@@ -67,6 +67,7 @@ from numba_kernels import warm_kernels
 from strategies import loading, nodes, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
 from strategies.input_checks import check_first_forwards, check_initialised_at_first_forward
+from strategies.peft_adapters import wrap_peft_methods
 from strategies.strategy import (
     META_FILE,
     ShardFSDPTPStrategy,
@@ -252,6 +253,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         else:
             self.engine._parallelize(module)
             unset, self.engine._unset_after_materialize = self.engine._unset_after_materialize, None
+        wrap_peft_methods(module)
         check_first_forwards(module, self.engine.device_mesh)  # the ranks of a TP group must see the same inputs
         if unset is not None:  # a checkpoint loaded before the first forward may still fill them
             check_initialised_at_first_forward(module, unset)

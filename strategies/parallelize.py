@@ -519,6 +519,13 @@ def check_initialised(model: nn.Module, names: list[str], who: str = "shard_fsdp
         if group
     )
     fixes = []
+    adapters = _peft_adapter_names(model, kinds[0][1])
+    if adapters:
+        fixes.append(
+            f"{adapters[0]!r} and the like are peft adapter weights, whose initialisation the strategy runs only "
+            "for LoRA: call get_peft_model outside Trainer.init_module(empty_init=True) / fabric.init_module("
+            "empty_init=True) (on a model loaded without it), or use LoRA"
+        )
     if kinds[0][1]:
         fixes.append(
             "give each owning module a reset_parameters() that sets its parameters (an RMSNorm holding "
@@ -535,6 +542,22 @@ def check_initialised(model: nn.Module, names: list[str], who: str = "shard_fsdp
         f"{who}: {shown} were built on the meta device and nothing gave them values: no reset_parameters() wrote "
         "them and no checkpoint loaded them, so they would train on placeholder values. Fix: " + "; ".join(fixes)
     )
+
+
+def _peft_adapter_names(model: nn.Module, names: list[str]) -> list[str]:
+    """The names among ``names`` of parameters that a peft tuner layer (a module with ``get_base_layer``, e.g.
+    IA3's or LoHa's ``Linear``) holds beside its base layer."""
+    modules = dict(model.named_modules())
+    found = []
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            owner = modules.get(".".join(parts[:i]))
+            if owner is not None and callable(getattr(owner, "get_base_layer", None)):
+                if parts[i] != "base_layer":
+                    found.append(name)
+                break
+    return found
 
 
 def broadcast_plain_model(model: nn.Module, mesh: DeviceMesh) -> None:

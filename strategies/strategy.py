@@ -67,6 +67,7 @@ from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
+from strategies.peft_adapters import refuse_prefix_tuning_under_tp, wrap_peft_methods
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -522,6 +523,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self._parallelize(model)
             model._shard_fsdp_tp_done = True
         unsupported.refuse_exports(model)
+        wrap_peft_methods(model)
         self.model = model
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -547,6 +549,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             layer_sync.apply(model)
 
     def _parallelize(self, model: nn.Module) -> None:
+        refuse_prefix_tuning_under_tp(model, self.device_mesh.size("tensor_parallel"), self.tp_plan)
         model = self.precision_plugin.convert_module(model)
         self._apply_layer_sync(model)
         # Shard first, then move the shards (FSDP1's device_id): TP splits host tensors on the host (its

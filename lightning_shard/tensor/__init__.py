@@ -14,6 +14,7 @@ from lightning_shard.tensor.api import distribute_module, distribute_tensor
 from lightning_shard.tensor.dispatch import fallback_counts, reset_fallback_counts
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_policy, get_fallback_policy
+from lightning_shard.tensor.implicit import implicit_replication
 from lightning_shard.tensor.interop import from_torch_dtensor, to_torch_dtensor
 from lightning_shard.tensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 from lightning_shard.tensor.spec import DTensorSpec
@@ -47,6 +48,7 @@ __all__ = [
     "fallback_counts",
     "fallback_policy",
     "get_fallback_policy",
+    "implicit_replication",
     "reset_fallback_counts",
     "to_torch_dtensor",
     "from_torch_dtensor",

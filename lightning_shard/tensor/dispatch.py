@@ -39,6 +39,7 @@ from lightning_shard.tensor._decisions import (
 )
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
+from lightning_shard.tensor.implicit import implicit_replication_enabled
 from lightning_shard.tensor.ops import _view_copies as view_copies
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.ops._registry import OpCall, Plan, find_rule, is_inplace
@@ -245,13 +246,17 @@ def _fsdp_hint(specs: list[DTensorSpec]) -> str:
 def _optimizer_hint() -> str:
     """For the mixing error raised inside an optimizer's ``step()``: name the optimizer and the fix. The plain
     tensor there is the optimizer's own (state built with ``torch.zeros(p.shape)``, as transformers' Adafactor
-    does), not an activation, so the fully_shard hint would mislead. Walks the stack only when raising."""
+    does), not an activation, so the fully_shard hint would mislead. Walks the stack only when raising.
+
+    A module's forward or an autograd backward nearer to the op than the ``step`` frame means the op belongs to
+    the model, not to the optimizer: Lightning runs the whole training step (forward and backward) in a closure
+    inside ``optimizer.step(closure)``, and the hint blamed the optimizer's state for a model's mixing."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module):
-            # A module's forward inside step(): the closure (Lightning runs every training_step in one), whose
-            # plain tensors are activations, not the optimizer's state.
+        if isinstance(owner, nn.Module) or frame.f_code.co_name == "_engine_run_backward":
+            # A module's forward or the backward inside step(): the closure (Lightning runs every training_step
+            # in one), whose plain tensors are activations and gradients, not the optimizer's state.
             return ""
         if frame.f_code.co_name == "step" and isinstance(owner, torch.optim.Optimizer):
             name = f"{type(owner).__module__}.{type(owner).__qualname__}"
@@ -281,14 +286,15 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
     promoted = False
     for i, a in enumerate(flat):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if a.numel() != 1:
+            if a.numel() != 1 and not implicit_replication_enabled():
                 raise RuntimeError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
                     + (_optimizer_hint() or _fsdp_hint(specs))
                 )
-            # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate.
+            # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate. Under
+            # implicit_replication() the caller promises the same of a larger plain tensor.
             flat[i] = DTensor(
                 a, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, a.shape, a.stride(), a.dtype), requires_grad=False
             )

@@ -214,6 +214,18 @@ class DTensor(torch.Tensor):
         replicated = self.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
 
+    def tolist(self) -> list | int | float | bool:
+        """The global value as (nested) Python numbers, the same on every rank: a collective, as ``.item()``.
+
+        Why: ``Tensor.tolist`` refuses every tensor subclass, and code written for plain tensors reads masks and
+        scores this way after a step (peft's AdaLoRA turns its rank mask into a list in ``update_and_allocate``).
+        Call it on every rank, as any other collective.
+
+        Example: ``distribute_tensor(torch.tensor([1, 2]), mesh, [Shard(0)]).tolist()`` -> ``[1, 2]``.
+        """
+        with torch.no_grad():
+            return self.full_tensor().tolist()
+
 
 def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     """Contiguous strides of ``shape`` in the same dim order as ``local``'s memory layout."""

@@ -67,6 +67,7 @@ from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
+from strategies.metrics import sync_metrics_over
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -523,10 +524,20 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             model._shard_fsdp_tp_done = True
         unsupported.refuse_exports(model)
         self.model = model
+        self._sync_metrics_over_data_parallel()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _sync_metrics_over_data_parallel(self) -> None:
+        """Under TP, torchmetrics metrics without a ``process_group`` of their own synchronise over the
+        data-parallel ranks (``strategies.metrics``): over the world they counted each batch once per TP rank.
+        Called at setup and at the start of each loop, for metrics assigned in a hook after setup."""
+        mesh = self._device_mesh
+        if mesh is None or mesh.size("tensor_parallel") == 1:
+            return  # the world is the data-parallel ranks
+        sync_metrics_over(self.lightning_module, mesh.get_group("data_parallel"))
 
     def _apply_layer_sync(self, model: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm layers become ``nn.SyncBatchNorm``, as Lightning's DDP and
@@ -680,14 +691,17 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._sync_metrics_over_data_parallel()
         finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._sync_metrics_over_data_parallel()
         self._check_batch_counts_alike("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
 
     def on_test_start(self) -> None:
         super().on_test_start()
+        self._sync_metrics_over_data_parallel()
         self._check_batch_counts_alike("test", self.lightning_module.trainer._evaluation_loop.max_batches)
 
     def on_predict_start(self) -> None:

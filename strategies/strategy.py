@@ -35,6 +35,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -63,6 +64,7 @@ from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
 from strategies import auto, finetuning, loading, nodes, parallelize, requeue, unsupported
+from strategies.batch_counts import check_train_ends_alike
 from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
@@ -693,6 +695,14 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         super().on_train_start()
         self._sync_metrics_over_data_parallel()
         finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The ranks' training batch counts may differ with data split by the user (an IterableDataset sharding
+        # itself, a sampler of the user's): compare, one batch ahead, before the forward that would hang.
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer
+        if self.world_size > 1 and not isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
+            check_train_ends_alike(trainer, batch_idx, self.root_device)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

@@ -124,6 +124,32 @@ def test_iterable_dataset_split_by_the_data_parallel_rank(arch, tp):
             _trainer(strategy=_strategy(tp), max_steps=2).fit(StreamByGlobalRank(arch))
 
 
+class Unequal(Recorder):
+    """Rank 0 gets 18 samples (5 batches of 4), rank 1 14 (4 batches): streamed (no length) or as a sized
+    dataset with ``use_distributed_sampler=False``."""
+
+    def __init__(self, sized: bool) -> None:
+        super().__init__()
+        self.sized = sized
+
+    def train_dataloader(self):
+        n = 18 - 4 * self.trainer.global_rank
+        return DataLoader(dataset(n) if self.sized else Stream(n, 0, 1), batch_size=4)
+
+
+@distributed(world_size=2, timeout=120)
+def test_unequal_training_batch_counts_raise_on_every_rank():
+    for sized in (False, True):  # before the check: a hang in rank 0's fifth forward (its all-gather)
+        trainer = _trainer(use_distributed_sampler=False, max_steps=-1, max_epochs=2)
+        with pytest.raises(RuntimeError, match=r"batch 3 of epoch 0 is the last for ranks \[1\] but ranks \[0\]"):
+            trainer.fit(Unequal(sized))
+    # the same data stopped early by a limit or by max_steps trains as usual
+    for limits in (dict(limit_train_batches=4, max_epochs=2, max_steps=-1), dict(max_steps=3)):
+        ours = Unequal(sized=False)
+        _trainer(use_distributed_sampler=False, **limits).fit(ours)
+        assert _replay(ours, 1e-5) == (8 if "max_epochs" in limits else 3)
+
+
 # ---------------------------------------------------------------------------------------------- samplers
 class OwnSampler(Recorder):
     """``use_distributed_sampler=False`` and a ``DistributedSampler`` of the user's: by the data-parallel rank

@@ -8,6 +8,10 @@ produced it.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -148,6 +152,42 @@ def test_unequal_training_batch_counts_raise_on_every_rank():
         ours = Unequal(sized=False)
         _trainer(use_distributed_sampler=False, **limits).fit(ours)
         assert _replay(ours, 1e-5) == (8 if "max_epochs" in limits else 3)
+
+
+class StreamedEval(LitGPT):
+    """Length-less validation and predict streams: 12 samples on rank 0 (3 batches), 8 on rank 1 (2), or 8 on
+    both; then a second validation stream of 8 on both."""
+
+    def __init__(self, equal: bool, second: bool = False) -> None:
+        super().__init__()
+        self.equal, self.second = equal, second
+
+    def val_dataloader(self):
+        n = 8 if self.equal else 12 - 4 * self.trainer.global_rank
+        first = DataLoader(Stream(n, 0, 1), batch_size=4)
+        return [first, DataLoader(Stream(8, 0, 1), batch_size=4)] if self.second else first
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.log("val_loss", _loss(self.model, *batch), sync_dist=True)
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
+@distributed(world_size=2, timeout=120)
+def test_unequal_lengthless_evaluation_raises_on_every_rank():
+    # before: Lightning counts no batches in a length-less loader, so the ranks started; rank 0's third forward hung
+    for second in (False, True):  # alone; first of two dataloaders (rank 1 moves on to the second, rank 0 does not)
+        match = r"validation dataloader\(s\) give the ranks different numbers of batches \(rank 0: dataloader 0 batch 1"
+        with pytest.raises(RuntimeError, match=match + r", rank 1: dataloader 0 batch 1 \(its last\)\)"):
+            _trainer(limit_val_batches=None).validate(StreamedEval(equal=False, second=second))
+    with pytest.raises(RuntimeError, match=r"predict dataloader\(s\) give the ranks different numbers of batches"):
+        _trainer().predict(StreamedEval(equal=False))
+    logged = _trainer(limit_val_batches=None).validate(StreamedEval(equal=True, second=True))
+    model = _seeded_model()
+    with torch.no_grad():
+        expected = _loss(model, *dataset(8).tensors).item()  # both ranks stream the same 8 samples
+    assert all(abs(m[f"val_loss/dataloader_idx_{i}"] - expected) < 1e-5 for i, m in enumerate(logged))
 
 
 # ---------------------------------------------------------------------------------------------- samplers
@@ -338,3 +378,190 @@ def test_torchmetrics_count_each_sample_once(arch, tp):
     collection, reference = ours.collection.compute(), ref.collection.compute()
     assert all(abs(collection[k] - reference[k]) < 16 * _tol(tp) for k in ("max_loss", "loss_sum"))
     assert ours.own_group.process_group is dist.group.WORLD and ours.own_group.compute() == 2 * 16 // (2 // tp)
+
+
+# ---------------------------------------------------------------------------------------------- combined loaders
+class Combined(Recorder):
+    """Two training loaders of 32 and 48 samples (batches of 4 and 2) in a ``CombinedLoader`` of ``mode``, or
+    returned as a plain dict (``mode=None``: Lightning's ``max_size_cycle``)."""
+
+    def __init__(self, arch: str, mode: str | None) -> None:
+        super().__init__(arch)
+        self.mode = mode
+
+    def train_dataloader(self):
+        from lightning.pytorch.utilities import CombinedLoader
+
+        loaders = {"a": DataLoader(dataset(32), batch_size=4), "b": DataLoader(dataset(48, seed=3), batch_size=2)}
+        return loaders if self.mode is None else CombinedLoader(loaders, self.mode)
+
+    def pairs(self, batch):
+        return [tuple(batch[k]) for k in sorted(batch) if batch[k] is not None]  # max_size: None once one ends
+
+
+@pytest.mark.parametrize(("arch", "tp"), CASES)
+@distributed(world_size=2)
+def test_combined_loaders_in_training(arch, tp):
+    dp = 2 // tp
+    for mode, steps in [(None, 24 // dp), ("min_size", 8 // dp), ("max_size", 24 // dp)]:
+        ours = Combined(arch, mode)
+        _trainer(strategy=_strategy(tp), max_steps=-1, max_epochs=1).fit(ours)
+        assert _replay(ours, _tol(tp)) == steps
+    with pytest.raises(ValueError, match='does not support the `CombinedLoader\\(mode="sequential"\\)` mode'):
+        _trainer(strategy=_strategy(tp), max_steps=2).fit(Combined(arch, "sequential"))
+
+
+class TwoValSets(LitGPT):
+    """Two validation loaders (16 and 8 samples), each loss logged with and without the dataloader index."""
+
+    def val_dataloader(self):
+        return [DataLoader(dataset(16, seed=2), batch_size=4), DataLoader(dataset(8, seed=4), batch_size=4)]
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        loss = _loss(self.model, x, y)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log(f"loss_of_{dataloader_idx}", loss, sync_dist=True, add_dataloader_idx=False)
+        self.log("samples", float(len(x)), sync_dist=True, reduce_fx="sum")
+
+
+@pytest.mark.parametrize(("arch", "tp"), CASES)
+@distributed(world_size=2)
+def test_several_validation_loaders(arch, tp):
+    logged = _trainer(strategy=_strategy(tp), limit_val_batches=None).validate(TwoValSets(arch=arch))
+    model = _seeded_model(arch)
+    with torch.no_grad():
+        expected = [_loss(model, *dataset(16, seed=2).tensors).item(), _loss(model, *dataset(8, seed=4).tensors).item()]
+    for i, metrics in enumerate(logged):
+        assert abs(metrics[f"val_loss/dataloader_idx_{i}"] - expected[i]) < _tol(tp)
+        assert abs(metrics[f"loss_of_{i}"] - expected[i]) < _tol(tp)
+    # summed over the batches of each loader, each sample once (also under TP: the strategy's reduce)
+    assert [logged[i][f"samples/dataloader_idx_{i}"] for i in (0, 1)] == [16, 8]
+
+
+# ---------------------------------------------------------------------------------------------- batch types and hooks
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class PairTuple(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _collate_as(kind: str):
+    """A collate function giving the batch as a dict, a dataclass, a namedtuple or a Hugging Face BatchEncoding."""
+
+    def collate(samples):
+        x, y = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+        if kind == "dict":
+            return {"input_ids": x, "labels": y}
+        if kind == "dataclass":
+            return Pair(x, y)
+        if kind == "namedtuple":
+            return PairTuple(x, y)
+        from transformers import BatchEncoding
+
+        return BatchEncoding({"input_ids": x, "labels": y})
+
+    return collate
+
+
+def _x_y(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, (Pair, PairTuple)):
+        return batch.x, batch.y
+    return batch["input_ids"], batch["labels"]
+
+
+class Typed(Recorder):
+    """Batches of ``kind`` through all three transfer hooks: ``on_before_batch_transfer`` reverses each sequence,
+    ``transfer_batch_to_device`` moves the two tensors itself, ``on_after_batch_transfer`` shifts the targets by
+    one token id; ``split`` deals the samples by the global rank instead of the data-parallel rank."""
+
+    def __init__(self, arch: str, kind: str, split: str = "dp") -> None:
+        super().__init__(arch)
+        self.kind, self.split, self.moved = kind, split, 0
+
+    def train_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        if self.split == "global":
+            kw = dict(num_replicas=self.trainer.world_size, rank=self.trainer.global_rank)
+        data = dataset(32)
+        sampler = DistributedSampler(data, shuffle=False, **kw)
+        return DataLoader(data, batch_size=4, sampler=sampler, collate_fn=_collate_as(self.kind))
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return _rebuild(batch, *(t.flip(1) for t in _x_y(batch)))
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.moved += 1
+        return _rebuild(batch, *(t.to(device) for t in _x_y(batch)))
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = _x_y(batch)
+        return _rebuild(batch, x, (y + 1) % VOCAB)
+
+    def pairs(self, batch):
+        assert isinstance(batch, (Pair, PairTuple, dict)) or type(batch).__name__ == "BatchEncoding"
+        return [_x_y(batch)]
+
+
+def _rebuild(batch, x: torch.Tensor, y: torch.Tensor):
+    """``batch``'s type holding ``x`` and ``y``."""
+    if isinstance(batch, (Pair, PairTuple)):
+        return type(batch)(x, y)
+    return batch.__class__({"input_ids": x, "labels": y})
+
+
+@pytest.mark.parametrize(("arch", "tp"), CASES)
+@distributed(world_size=2)
+def test_batch_types_and_transfer_hooks(arch, tp):
+    for kind in ("dict", "dataclass", "namedtuple", "batch_encoding"):
+        ours = Typed(arch, kind)
+        _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=3).fit(ours)
+        assert ours.moved == 3
+        _replay(ours, _tol(tp))
+        kw = ours.trainer.strategy.distributed_sampler_kwargs
+        x, y = dataset(32)[list(range(kw["rank"], 32, kw["num_replicas"]))[:4]]
+        ((seen_x, seen_y),) = ours.seen[0]  # the first batch went through the three hooks in order
+        assert torch.equal(seen_x, x.flip(1)) and torch.equal(seen_y, (y.flip(1) + 1) % VOCAB)
+        if tp > 1:  # every container is searched for the tensors the TP ranks must agree on
+            with pytest.raises(TPInputMismatchError, match="different training batches"):
+                _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(
+                    Typed(arch, kind, "global")
+                )
+
+
+# ---------------------------------------------------------------------------------------------- data modules
+class ShardingData(L.LightningDataModule):
+    """A LightningDataModule whose ``setup(stage)`` keeps its rank's part of the data, chosen by the strategy's
+    data-parallel rank (``by="dp"``) or by ``trainer.global_rank`` (``by="global"``)."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by, self.stages = by, []
+
+    def setup(self, stage: str) -> None:
+        kw = self.trainer.strategy.distributed_sampler_kwargs
+        if self.by == "global":
+            kw = dict(rank=self.trainer.global_rank, num_replicas=self.trainer.world_size)
+        self.part = torch.utils.data.Subset(dataset(32), list(range(kw["rank"], 32, kw["num_replicas"])))
+        self.stages.append(stage)
+
+    def train_dataloader(self):
+        return DataLoader(self.part, batch_size=4)
+
+
+@pytest.mark.parametrize(("arch", "tp"), CASES)
+@distributed(world_size=2)
+def test_datamodule_setup_shards_by_rank(arch, tp):
+    data, ours = ShardingData("dp"), Recorder(arch)
+    _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=-1, max_epochs=1).fit(ours, data)
+    assert data.stages == ["fit"] and _replay(ours, _tol(tp)) == 8 // (2 // tp)
+    if tp > 1:
+        with pytest.raises(TPInputMismatchError, match="different training batches"):
+            _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(
+                Recorder(arch), ShardingData("global")
+            )

@@ -3,7 +3,21 @@ each compared with one process on the same global batches: every rank records th
 ``training_step`` received, the ranks exchange them, and one process replays them step by step (the mean over
 the data-parallel ranks of each rank's loss, as FSDP averages their gradients). The replay is the oracle for
 what the distributed run should have done with the data it was given, whatever sampler, dataset or loader
-produced it.
+produced it; the TP ranks of a group must have recorded the same batches, and the step counts are asserted.
+
+* iterable datasets split by the data-parallel rank (``strategy.distributed_sampler_kwargs``); split by the
+  global rank under TP they raise ``TPInputMismatchError`` (as do a user ``DistributedSampler`` and a DataModule
+  splitting by ``trainer.global_rank``); a length-bucketing batch sampler with per-rank padding;
+* unequal per-rank batch counts raise on every rank, one batch ahead, in training (sized and length-less data)
+  and in evaluation/predict with length-less dataloaders (before: a hang), and train as usual when
+  ``limit_train_batches`` or ``max_steps`` stop the ranks together;
+* uneven dataset lengths (DistributedSampler padding, a smaller last batch, ``drop_last``), fractional
+  ``limit_train_batches``, ``reload_dataloaders_every_n_epochs`` with a new dataset per epoch, and an int
+  ``val_check_interval`` with ``check_val_every_n_epoch=None`` (validation losses compared too);
+* ``CombinedLoader`` (``max_size_cycle`` as a plain dict, ``min_size``, ``max_size``; ``sequential`` is refused
+  by Lightning in training), several validation loaders with ``dataloader_idx`` and ``add_dataloader_idx``;
+* dict, dataclass, namedtuple and ``BatchEncoding`` batches through the three transfer hooks;
+* torchmetrics metrics count each sample once under TP (before: over the world, each TP copy counted).
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from tests.test_strategy import _trainer
 from tests.test_trainer_features import _full, _single_trainer, _worst
 
 CASES = [("gpt", 1), ("llama", 2)]  # FSDP 2; TP 2 (one data-parallel rank)
+FSDP_DEFAULT = [("gpt", 1), pytest.param("llama", 2, marks=pytest.mark.slow)]  # the TP case of a long test: slow
 LR = 0.1
 
 
@@ -212,8 +227,8 @@ class OwnSampler(Recorder):
 @distributed(world_size=2)
 def test_own_distributed_sampler(arch, tp):
     ours = OwnSampler(arch, "dp")
-    _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=-1, max_epochs=2).fit(ours)
-    _replay(ours, _tol(tp))
+    _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=-1, max_epochs=1).fit(ours)
+    assert _replay(ours, _tol(tp)) == 40 // (4 * (2 // tp))
     if tp > 1:
         with pytest.raises(TPInputMismatchError, match="different training batches"):
             _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(OwnSampler(arch, "global"))
@@ -311,7 +326,7 @@ def _val_loss_at(steps: list[int], out: list[tuple[int, float]]):
     return after_step
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
 @distributed(world_size=2)
 def test_uneven_lengths_and_loop_intervals(arch, tp):
     dp = 2 // tp
@@ -320,7 +335,12 @@ def test_uneven_lengths_and_loop_intervals(arch, tp):
         (dict(max_epochs=2), False, False, 2 * (4 if dp == 2 else 8)),
         (dict(max_epochs=2, limit_train_batches=0.5), True, False, 2 * (1 if dp == 2 else 3)),
         (dict(max_epochs=3, reload_dataloaders_every_n_epochs=1), False, True, None),
-        (dict(max_steps=7, val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=None), 0, 0, 7),
+        (
+            dict(max_steps=7, val_check_interval=3, check_val_every_n_epoch=None, limit_val_batches=None),
+            False,
+            False,
+            7,
+        ),
     ]:
         ours = Uneven(arch, drop_last, reload)
         _trainer(strategy=_strategy(tp), max_steps=flags.pop("max_steps", -1), **flags).fit(ours)
@@ -382,7 +402,7 @@ def test_torchmetrics_count_each_sample_once(arch, tp):
 
 # ---------------------------------------------------------------------------------------------- combined loaders
 class Combined(Recorder):
-    """Two training loaders of 32 and 48 samples (batches of 4 and 2) in a ``CombinedLoader`` of ``mode``, or
+    """Two training loaders of 16 and 24 samples (batches of 4 and 2) in a ``CombinedLoader`` of ``mode``, or
     returned as a plain dict (``mode=None``: Lightning's ``max_size_cycle``)."""
 
     def __init__(self, arch: str, mode: str | None) -> None:
@@ -392,18 +412,18 @@ class Combined(Recorder):
     def train_dataloader(self):
         from lightning.pytorch.utilities import CombinedLoader
 
-        loaders = {"a": DataLoader(dataset(32), batch_size=4), "b": DataLoader(dataset(48, seed=3), batch_size=2)}
+        loaders = {"a": DataLoader(dataset(16), batch_size=4), "b": DataLoader(dataset(24, seed=3), batch_size=2)}
         return loaders if self.mode is None else CombinedLoader(loaders, self.mode)
 
     def pairs(self, batch):
         return [tuple(batch[k]) for k in sorted(batch) if batch[k] is not None]  # max_size: None once one ends
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
 @distributed(world_size=2)
 def test_combined_loaders_in_training(arch, tp):
     dp = 2 // tp
-    for mode, steps in [(None, 24 // dp), ("min_size", 8 // dp), ("max_size", 24 // dp)]:
+    for mode, steps in [(None, 12 // dp), ("min_size", 4 // dp), ("max_size", 12 // dp)]:
         ours = Combined(arch, mode)
         _trainer(strategy=_strategy(tp), max_steps=-1, max_epochs=1).fit(ours)
         assert _replay(ours, _tol(tp)) == steps
@@ -527,7 +547,7 @@ def test_batch_types_and_transfer_hooks(arch, tp):
         x, y = dataset(32)[list(range(kw["rank"], 32, kw["num_replicas"]))[:4]]
         ((seen_x, seen_y),) = ours.seen[0]  # the first batch went through the three hooks in order
         assert torch.equal(seen_x, x.flip(1)) and torch.equal(seen_y, (y.flip(1) + 1) % VOCAB)
-        if tp > 1:  # every container is searched for the tensors the TP ranks must agree on
+        if tp > 1 and kind in ("dataclass", "batch_encoding"):  # containers searched for the tensors to compare
             with pytest.raises(TPInputMismatchError, match="different training batches"):
                 _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(
                     Typed(arch, kind, "global")
@@ -565,3 +585,19 @@ def test_datamodule_setup_shards_by_rank(arch, tp):
             _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(
                 Recorder(arch), ShardingData("global")
             )
+
+
+# ---------------------------------------------------------------------------------------------- 2 x 2 mesh
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_data_parallel_2_x_tensor_parallel_2():
+    """On a (data_parallel 2, tensor_parallel 2) mesh the data-parallel group is neither the world nor one rank:
+    an iterable dataset split by the data-parallel rank trains like one process, one split by the global rank
+    raises, and torchmetrics count each sample once."""
+    ours = StreamByDataParallelRank("llama")
+    _trainer(strategy=_strategy(2), max_steps=-1, max_epochs=1).fit(ours)
+    assert ours.trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": dist.get_rank() // 2}
+    assert _replay(ours, 5e-5) == 4
+    with pytest.raises(TPInputMismatchError, match="different training batches"):
+        _trainer(strategy=_strategy(2), max_steps=2).fit(StreamByGlobalRank("llama"))
+    test_torchmetrics_count_each_sample_once.__wrapped__("llama", 2)

@@ -68,7 +68,7 @@ from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
-from strategies.metrics import sync_metrics_over
+from strategies.metrics import set_data_parallel_group, sync_metrics_over_data_parallel
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -537,9 +537,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         data-parallel ranks (``strategies.metrics``): over the world they counted each batch once per TP rank.
         Called at setup and at the start of each loop, for metrics assigned in a hook after setup."""
         mesh = self._device_mesh
-        if mesh is None or mesh.size("tensor_parallel") == 1:
-            return  # the world is the data-parallel ranks
-        sync_metrics_over(self.lightning_module, mesh.get_group("data_parallel"))
+        tp = mesh.size("tensor_parallel") if mesh is not None else 1
+        set_data_parallel_group(mesh.get_group("data_parallel") if tp > 1 else None)  # None: the world
+        if tp > 1:  # without TP the world is the data-parallel ranks: metrics are left as they are
+            sync_metrics_over_data_parallel(self.lightning_module)
 
     def _apply_layer_sync(self, model: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm layers become ``nn.SyncBatchNorm``, as Lightning's DDP and

@@ -23,6 +23,7 @@ produced it; the TP ranks of a group must have recorded the same batches, and th
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import NamedTuple
 
 import lightning as L
@@ -370,12 +371,19 @@ class Metrics(LitGPT):
         members = {"max_loss": torchmetrics.MaxMetric(**kw), "loss_sum": torchmetrics.SumMetric(**kw)}
         self.collection = torchmetrics.MetricCollection(members)
         self.own_group = torchmetrics.SumMetric(process_group=dist.group.WORLD, **kw)  # the user's choice: kept
+        self.tracker = torchmetrics.wrappers.MetricTracker(
+            torchmetrics.SumMetric(**kw), maximize=True
+        )  # deep-copies its metric
+
+    def on_validation_epoch_start(self):
+        self.tracker.increment()
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         logits = self.model(x)
         per_sample = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
         self.seen.update(torch.ones(len(x)))
+        self.tracker.update(torch.ones(len(x)))
         self.own_group.update(torch.ones(len(x)))
         self.mean_loss.update(per_sample)
         self.first_targets.update(y[:, 0].float())
@@ -398,6 +406,9 @@ def test_torchmetrics_count_each_sample_once(arch, tp):
     collection, reference = ours.collection.compute(), ref.collection.compute()
     assert all(abs(collection[k] - reference[k]) < 16 * _tol(tp) for k in ("max_loss", "loss_sum"))
     assert ours.own_group.process_group is dist.group.WORLD and ours.own_group.compute() == 2 * 16 // (2 // tp)
+    # a metric stays picklable and deep-copyable (a process group is neither; MetricTracker.increment deep-copies)
+    copied = pickle.loads(pickle.dumps(ours.first_targets))  # with its states: each of the 16 values once
+    assert ours.tracker.compute() == 16 and len(copied.compute()) == 16
 
 
 # ---------------------------------------------------------------------------------------------- combined loaders

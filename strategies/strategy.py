@@ -637,7 +637,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # The LightningModule is the root FSDP module, but Lightning calls training_step, not forward: route each
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
-        self._first_batch_check(self._device_mesh, "training", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
@@ -671,21 +671,21 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # loss computed from them with a plain target outside the context raised (mixing a tensor with DTensors).
     def validation_step(self, *args: Any, **kwargs: Any):
         self._check_eval_position("validation", args, kwargs)
-        self._first_batch_check(self._device_mesh, "validation", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         self._check_initialised()
         with self.precision_plugin.val_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._check_eval_position("test", args, kwargs)
-        self._first_batch_check(self._device_mesh, "test", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "test", args, kwargs)
         self._check_initialised()
         with self.precision_plugin.test_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
         self._check_eval_position("predict", args, kwargs)
-        self._first_batch_check(self._device_mesh, "predict", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "predict", args, kwargs)
         self._check_initialised()
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)

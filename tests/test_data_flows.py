@@ -144,6 +144,36 @@ def test_iterable_dataset_split_by_the_data_parallel_rank(arch, tp):
             _trainer(strategy=_strategy(tp), max_steps=2).fit(StreamByGlobalRank(arch))
 
 
+class StreamFetchedInTheStep(StreamByDataParallelRank):
+    """``training_step(self, dataloader_iter)``: the step fetches its batch itself."""
+
+    def __init__(self, arch: str, by_global_rank: bool = False) -> None:
+        super().__init__(arch)
+        self.by_global_rank = by_global_rank
+
+    def train_dataloader(self):
+        if self.by_global_rank:
+            return DataLoader(Stream(32, self.trainer.global_rank, self.trainer.world_size), batch_size=4)
+        return super().train_dataloader()
+
+    def training_step(self, dataloader_iter):
+        x, y = next(dataloader_iter)[0]
+        self.seen.append([(x.clone(), y.clone())])
+        return _loss(self.model, x, y)
+
+
+@distributed(world_size=2)
+def test_dataloader_iter_step_under_tp():
+    ours = StreamFetchedInTheStep("llama")
+    _trainer(strategy=_strategy(2), max_steps=-1, max_epochs=1).fit(ours)
+    assert _replay(ours, 5e-5) == 8
+    # before: the strategy saw only the iterator, checked no tensor, and the TP ranks trained on different samples
+    with pytest.raises(
+        TPInputMismatchError, match=r"different training batches \(batch_idx 0, fetched from dataloader_iter"
+    ):
+        _trainer(strategy=_strategy(2), max_steps=3).fit(StreamFetchedInTheStep("llama", by_global_rank=True))
+
+
 class Unequal(Recorder):
     """Rank 0 gets 18 samples (5 batches of 4), rank 1 14 (4 batches): streamed (no length) or as a sized
     dataset with ``use_distributed_sampler=False``."""

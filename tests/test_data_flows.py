@@ -250,7 +250,7 @@ class OwnSampler(Recorder):
             kw = self.trainer.strategy.distributed_sampler_kwargs
         else:
             kw = dict(num_replicas=self.trainer.world_size, rank=self.trainer.global_rank)
-        data = dataset(40)
+        data = dataset(24)
         return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=3, **kw))
 
 
@@ -259,7 +259,7 @@ class OwnSampler(Recorder):
 def test_own_distributed_sampler(arch, tp):
     ours = OwnSampler(arch, "dp")
     _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=-1, max_epochs=1).fit(ours)
-    assert _replay(ours, _tol(tp)) == 40 // (4 * (2 // tp))
+    assert _replay(ours, _tol(tp)) == 24 // (4 * (2 // tp))
     if tp > 1:
         with pytest.raises(TPInputMismatchError, match="different training batches"):
             _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(OwnSampler(arch, "global"))
@@ -576,13 +576,24 @@ def _rebuild(batch, x: torch.Tensor, y: torch.Tensor):
     return batch.__class__({"input_ids": x, "labels": y})
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+KINDS = ("dict", "dataclass", "namedtuple", "batch_encoding")
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "kinds"),
+    [  # each kind once by default, on both meshes in the slow run
+        ("gpt", 1, ("dict", "namedtuple")),
+        ("llama", 2, ("dataclass", "batch_encoding")),
+        pytest.param("gpt", 1, KINDS, marks=pytest.mark.slow),
+        pytest.param("llama", 2, KINDS, marks=pytest.mark.slow),
+    ],
+)
 @distributed(world_size=2)
-def test_batch_types_and_transfer_hooks(arch, tp):
-    for kind in ("dict", "dataclass", "namedtuple", "batch_encoding"):
+def test_batch_types_and_transfer_hooks(arch, tp, kinds):
+    for kind in kinds:
         ours = Typed(arch, kind)
-        _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=3).fit(ours)
-        assert ours.moved == 3
+        _trainer(strategy=_strategy(tp), use_distributed_sampler=False, max_steps=2).fit(ours)
+        assert ours.moved == 2
         _replay(ours, _tol(tp))
         kw = ours.trainer.strategy.distributed_sampler_kwargs
         x, y = dataset(32)[list(range(kw["rank"], 32, kw["num_replicas"]))[:4]]

@@ -16,8 +16,10 @@ produced it; the TP ranks of a group must have recorded the same batches, and th
   ``val_check_interval`` with ``check_val_every_n_epoch=None`` (validation losses compared too);
 * ``CombinedLoader`` (``max_size_cycle`` as a plain dict, ``min_size``, ``max_size``; ``sequential`` is refused
   by Lightning in training), several validation loaders with ``dataloader_idx`` and ``add_dataloader_idx``;
-* dict, dataclass, namedtuple and ``BatchEncoding`` batches through the three transfer hooks;
-* torchmetrics metrics count each sample once under TP (before: over the world, each TP copy counted).
+* dict, dataclass, namedtuple and ``BatchEncoding`` batches through the three transfer hooks; a
+  ``training_step(self, dataloader_iter)`` (before: under TP its batches were never checked);
+* torchmetrics metrics count each sample once under TP (before: over the world, each TP copy counted) and stay
+  deep-copyable (``MetricTracker``) and picklable.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.loops.fetchers import _DataFetcherWrapper
 from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
@@ -34,8 +35,9 @@ def _tp_group(mesh: DeviceMesh | None):
 
 class FirstBatchCheck:
     """Checks the batch of a ``*_step(batch, batch_idx, ...)`` call when ``batch_idx == 0`` (or, for steps
-    called without an index, the first call of each loop). Every rank of a TP group makes the same calls, so
-    they all reach the collective together.
+    called without an index, the first call of each loop; for a ``*_step(dataloader_iter)``, the batch of index 0
+    when the step fetches it). Every rank of a TP group makes the same calls, so they all reach the collective
+    together.
 
     Example: ``FirstBatchCheck()(strategy.device_mesh, "validation", (batch, 0), {})``.
     """
@@ -43,10 +45,18 @@ class FirstBatchCheck:
     def __init__(self) -> None:
         self._loops_seen: set[str] = set()
 
-    def __call__(self, mesh: DeviceMesh | None, loop: str, args: tuple, kwargs: dict[str, Any]) -> None:
+    def __call__(self, mesh: DeviceMesh | None, loop: str, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """Check the step's batch if it is its loop's first; returns the step's ``(args, kwargs)``, where a
+        ``dataloader_iter`` is replaced by one that checks the batch of index 0 when the step fetches it."""
         group = _tp_group(mesh)
         if group is None:
-            return
+            return args, kwargs
+        if args and isinstance(args[0], _DataFetcherWrapper):
+            return (_CheckedDataloaderIter(args[0], group, loop), *args[1:]), kwargs
+        self._check(group, loop, args, kwargs)
+        return args, kwargs
+
+    def _check(self, group, loop: str, args: tuple, kwargs: dict[str, Any]) -> None:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         if isinstance(batch_idx, int):
             if batch_idx != 0:
@@ -56,6 +66,24 @@ class FirstBatchCheck:
         self._loops_seen.add(loop)
         batch = args[0] if args else kwargs.get("batch")
         check_same_inputs(batch, group, what=f"{loop} batches (batch_idx {batch_idx})")
+
+
+class _CheckedDataloaderIter(_DataFetcherWrapper):
+    """The ``dataloader_iter`` of ``def training_step(self, dataloader_iter)`` (or an evaluation step's), whose
+    ``next()`` checks the batch of index 0 of each epoch: the step fetches its batches itself, so the strategy
+    never sees them, and a split by the global rank trained wrong under TP with no error. A subclass, so that
+    Lightning's and the user's ``isinstance`` checks still hold."""
+
+    def __init__(self, wrapper: _DataFetcherWrapper, group, loop: str) -> None:
+        super().__init__(wrapper.data_fetcher)
+        self._group, self._loop = group, loop
+
+    def __next__(self):
+        batch, batch_idx, dataloader_idx = super().__next__()
+        if batch_idx == 0:
+            what = f"{self._loop} batches (batch_idx 0, fetched from dataloader_iter)"
+            check_same_inputs(batch, self._group, what=what)
+        return batch, batch_idx, dataloader_idx
 
 
 def check_first_forwards(module: nn.Module, mesh: DeviceMesh | None) -> None:

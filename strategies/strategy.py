@@ -35,6 +35,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -62,11 +63,12 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, finetuning, loading, nodes, parallelize, requeue, unsupported
+from strategies import auto, batch_counts, finetuning, loading, nodes, parallelize, requeue, unsupported
 from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
+from strategies.metrics import set_data_parallel_group, sync_metrics_over_data_parallel
 from strategies.peft_adapters import refuse_prefix_tuning_under_tp, wrap_peft_methods
 from strategies.precision import ShardPrecision
 
@@ -221,6 +223,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.parallel_summary: dict = {}
         self.planner_table: str | None = None  # the planner's table when a knob is "auto"
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
+        self._eval_position_checks: dict[str, bool] = {}  # loops with a length-less dataloader (batch_counts)
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
         # names materialize could not initialise (None: nothing was on meta); checked before the first step,
         # after a checkpoint had the chance to fill them
@@ -525,10 +528,21 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         unsupported.refuse_exports(model)
         wrap_peft_methods(model)
         self.model = model
+        self._sync_metrics_over_data_parallel()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _sync_metrics_over_data_parallel(self) -> None:
+        """Under TP, torchmetrics metrics without a ``process_group`` of their own synchronise over the
+        data-parallel ranks (``strategies.metrics``): over the world they counted each batch once per TP rank.
+        Called at setup and at the start of each loop, for metrics assigned in a hook after setup."""
+        mesh = self._device_mesh
+        tp = mesh.size("tensor_parallel") if mesh is not None else 1
+        set_data_parallel_group(mesh.get_group("data_parallel") if tp > 1 else None)  # None: the world
+        if tp > 1:  # without TP the world is the data-parallel ranks: metrics are left as they are
+            sync_metrics_over_data_parallel(self.lightning_module)
 
     def _apply_layer_sync(self, model: nn.Module) -> None:
         """``Trainer(sync_batchnorm=True)``: BatchNorm layers become ``nn.SyncBatchNorm``, as Lightning's DDP and
@@ -626,7 +640,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # The LightningModule is the root FSDP module, but Lightning calls training_step, not forward: route each
     # step through the module's __call__ so the root's hooks (unshard, reshard, backward hooks) run.
     def training_step(self, *args: Any, **kwargs: Any):
-        self._first_batch_check(self._device_mesh, "training", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with self.precision_plugin.train_step_context(), self._loss_parallel_context():
@@ -659,19 +673,22 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # Evaluation runs inside loss_parallel too: the LM head returns vocabulary-sharded logits in every loop, and a
     # loss computed from them with a plain target outside the context raised (mixing a tensor with DTensors).
     def validation_step(self, *args: Any, **kwargs: Any):
-        self._first_batch_check(self._device_mesh, "validation", args, kwargs)
+        self._check_eval_position("validation", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         self._check_initialised()
         with self.precision_plugin.val_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
-        self._first_batch_check(self._device_mesh, "test", args, kwargs)
+        self._check_eval_position("test", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "test", args, kwargs)
         self._check_initialised()
         with self.precision_plugin.test_step_context(), self._loss_parallel_context():
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
-        self._first_batch_check(self._device_mesh, "predict", args, kwargs)
+        self._check_eval_position("predict", args, kwargs)
+        args, kwargs = self._first_batch_check(self._device_mesh, "predict", args, kwargs)
         self._check_initialised()
         with self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
@@ -683,26 +700,39 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._sync_metrics_over_data_parallel()
         finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The ranks' training batch counts may differ with data split by the user (an IterableDataset sharding
+        # itself, a sampler of the user's): compare, one batch ahead, before the forward that would hang.
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = self.lightning_module.trainer
+        if self.world_size > 1 and not isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
+            batch_counts.check_train_ends_alike(trainer, batch_idx, self.root_device)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self._check_batch_counts_alike("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
+        self._sync_metrics_over_data_parallel()
+        self._check_batch_counts_alike("validation", self.lightning_module.trainer._evaluation_loop)
 
     def on_test_start(self) -> None:
         super().on_test_start()
-        self._check_batch_counts_alike("test", self.lightning_module.trainer._evaluation_loop.max_batches)
+        self._sync_metrics_over_data_parallel()
+        self._check_batch_counts_alike("test", self.lightning_module.trainer._evaluation_loop)
 
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        self._check_batch_counts_alike("predict", self.lightning_module.trainer.predict_loop.max_batches)
+        self._check_batch_counts_alike("predict", self.lightning_module.trainer.predict_loop)
 
-    def _check_batch_counts_alike(self, loop: str, counts: list) -> None:
+    def _check_batch_counts_alike(self, loop: str, eval_loop) -> None:
         """Raise on every rank, before the first batch, unless every rank runs the same number of batches in
-        each of ``loop``'s dataloaders (a length-less iterable counts as unknown and is not checked)."""
+        each of ``loop``'s dataloaders. A length-less dataloader counts as unknown here; with one, the ranks
+        compare their positions before every step instead (``_check_eval_position``)."""
         if self.world_size == 1:
             return
-        counts = [int(c) if math.isfinite(c) else None for c in counts]
+        self._eval_position_checks[loop] = batch_counts.has_lengthless_loader(eval_loop._combined_loader)
+        counts = [int(c) if math.isfinite(c) else None for c in eval_loop.max_batches]
         every = comm.all_gather_objects(counts)
         if all(c == every[0] for c in every):
             return
@@ -721,6 +751,17 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             f"({per_rank}); a sharded model's forward runs collectives on every rank, so the rank with more "
             f"batches would wait for the others forever (or crash on a collective mismatch). {hint}"
         )
+
+    def _check_eval_position(self, loop: str, args: tuple, kwargs: dict) -> None:
+        """With a length-less dataloader in ``loop`` (counts unknown before it), raise on every rank as soon as
+        the ranks' positions part (``strategies.batch_counts``): before the forward that would hang."""
+        if not self._eval_position_checks.get(loop):
+            return
+        trainer = self.lightning_module.trainer
+        eval_loop = trainer.predict_loop if loop == "predict" else trainer._evaluation_loop
+        position = batch_counts.eval_position(eval_loop, args, kwargs)
+        if position is not None:
+            batch_counts.check_eval_positions_alike(loop, position, self.root_device)
 
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()

@@ -67,6 +67,7 @@ from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
+from strategies.interrupts import resharded_on_exception
 from strategies.precision import ShardPrecision
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -221,6 +222,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.planner_table: str | None = None  # the planner's table when a knob is "auto"
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
+        self._requeue: requeue.DeferredRequeue | None = None  # SLURM auto-requeue, run where the ranks agree
         # names materialize could not initialise (None: nothing was on meta); checked before the first step,
         # after a checkpoint had the chance to fill them
         self._unset_after_materialize: list[str] | None = None
@@ -526,6 +528,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # before Lightning registers its signal handlers: SIGUSR1's save must not run wherever a rank happens to be
+            self._requeue = requeue.DeferredRequeue.install(trainer)
         self.setup_precision_plugin()
 
     def _apply_layer_sync(self, model: nn.Module) -> None:
@@ -626,7 +630,11 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
-        with self.precision_plugin.train_step_context(), self._loss_parallel_context():
+        with (
+            resharded_on_exception(self.model),
+            self.precision_plugin.train_step_context(),
+            self._loss_parallel_context(),
+        ):
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out
 
@@ -640,7 +648,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # loss_parallel's backward ops (vocab-parallel log-softmax / nll) must run inside the context too.
-        with self._loss_parallel_context():
+        with resharded_on_exception(self.model), self._loss_parallel_context():
             return super().backward(closure_loss, *args, **kwargs)
 
     def _loss_parallel_active(self) -> bool:
@@ -658,19 +666,27 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.val_step_context(), self._loss_parallel_context():
+        with (
+            resharded_on_exception(self.model),
+            self.precision_plugin.val_step_context(),
+            self._loss_parallel_context(),
+        ):
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "test", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.test_step_context(), self._loss_parallel_context():
+        with (
+            resharded_on_exception(self.model),
+            self.precision_plugin.test_step_context(),
+            self._loss_parallel_context(),
+        ):
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
         self._first_batch_check(self._device_mesh, "predict", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.predict_step_context():
+        with resharded_on_exception(self.model), self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 
     # Lightning's predict sampler (UnrepeatedDistributedSampler) deals the samples without padding, so with
@@ -681,6 +697,11 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._requeue is not None:
+            self._requeue.at_batch_start(self.lightning_module.trainer, batch_idx, self.reduce_boolean_decision)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

@@ -1,0 +1,124 @@
+"""Interruptions, stops and exceptions in Trainer runs with ``strategy="shard_fsdp_tp"`` (2 gloo ranks), compared
+with one process on the same global batches, or with what Lightning's DDP strategy does on the same ranks:
+
+* SLURM auto-requeue (``SIGUSR1``): the signal reaches the ranks at different points of a step (one inside
+  ``training_step``, one after it, in the middle of a gradient accumulation); Lightning's handler saved right there,
+  its collectives paired with training's, and the save hung on every rank (no checkpoint, no requeue). The strategy
+  defers the save to the start of the next optimizer step on every rank (``strategies/requeue.py``): the
+  ``hpc_ckpt_1.ckpt`` directory is complete, ``scontrol requeue`` runs once, and the requeued job resumes from it
+  equal to one process training straight through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+from tests.harness import distributed
+from tests.test_faults_midepoch import ResumableGPT, _max_diff, _params, reference
+from tests.test_multinode_flows import _environment, _slurm
+from tests.test_strategy import _trainer
+from tests.test_strategy_checkpoint import _shared_path
+
+TOL = 1e-5
+
+
+class Requeued(ResumableGPT):
+    """Counts a batch as consumed once trained (at its end), so a checkpoint saved at the start of a batch resumes
+    at that batch. ``signal_at[rank]``: (batch index, "step" or "end") where the rank gets ``SIGUSR1``, once;
+    ``killed_at``: the global step at which every rank dies (SLURM ending the job after the signal)."""
+
+    signal_at: list[tuple[int, str]] | None = None
+    killed_at: int | None = None
+    interrupted_at: int | None = None  # batch index of epoch 0: KeyboardInterrupt (Ctrl+C) after the forward
+    _signalled = False
+
+    def _signal(self, where: str, batch_idx: int) -> None:
+        if self.signal_at and not self._signalled and self.signal_at[self.global_rank] == (batch_idx, where):
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def training_step(self, batch, batch_idx):
+        if self.killed_at == self.global_step:
+            raise RuntimeError("killed by SLURM")
+        loss = super().training_step(batch, batch_idx)
+        self._signal("step", batch_idx)  # between the forward and the backward
+        if self.interrupted_at == batch_idx and self.current_epoch == 0:
+            raise KeyboardInterrupt
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        pass
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._loader.consumed = batch_idx + 1
+        self._signal("end", batch_idx)
+
+
+def _slurm_job(root: str):
+    """srun's variables for this rank of one node, and a ``scontrol`` that records its arguments."""
+    bindir = os.path.join(root, f"bin{dist.get_rank()}")
+    os.makedirs(bindir, exist_ok=True)
+    with open(os.path.join(bindir, "scontrol"), "w") as f:
+        f.write(f'#!/bin/sh\necho "$@" >> {root}/scontrol.log\n')
+    os.chmod(os.path.join(bindir, "scontrol"), 0o755)
+    values = _slurm(node=0, local=dist.get_rank(), per_node=2, nodes_=1)
+    return _environment({**values, "PATH": f"{bindir}:{os.environ['PATH']}"})
+
+
+def _fit(module, root: str, callbacks=(), ckpt_path=None) -> object:
+    trainer = _trainer(
+        default_root_dir=root, max_steps=6, accumulate_grad_batches=2, use_distributed_sampler=False, devices=2,
+        callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt_path)  # under SLURM, no ckpt_path: the latest hpc_ckpt_<n>.ckpt
+    return trainer
+
+
+def _loop_state(path: str) -> tuple[int, list]:
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
+    return meta["global_step"], meta["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+
+
+@distributed(world_size=2, timeout=90)
+def test_sigusr1_at_different_points_of_a_step_saves_and_requeues(tmp_path):
+    root = _shared_path(tmp_path, "job")
+    with _slurm_job(root):
+        first = Requeued()
+        # step 3's first micro-batch (batch 4): rank 0 inside training_step, rank 1 after the batch, its gradients
+        # accumulated; Lightning's handler saved at both points
+        first.signal_at, first.killed_at = [(4, "step"), (4, "end")], 4
+        with pytest.raises(RuntimeError, match="killed by SLURM"):
+            _fit(first, root)
+        assert sorted(n for n in os.listdir(root) if "hpc" in n) == ["hpc_ckpt_1.ckpt"]
+        with open(os.path.join(root, "scontrol.log")) as f:
+            assert f.read() == "requeue 4242\n"  # rank 0 only, once
+        # deferred to the next optimizer step's first micro-batch (batch 6): no gradient was accumulated yet
+        assert _loop_state(os.path.join(root, "hpc_ckpt_1.ckpt")) == (3, [{"consumed": 6}])
+        dist.barrier()
+        requeued = Requeued()
+        trainer = _fit(requeued, root)
+    assert trainer.global_step == 6
+    assert _max_diff(_params(requeued), reference(6)) < TOL
+
+
+@distributed(world_size=2, timeout=90)
+def test_keyboard_interrupt_on_every_rank_saves_a_resumable_on_exception_checkpoint(tmp_path):
+    """Ctrl+C inside ``training_step`` (the root unit unsharded): Lightning exits with ``SystemExit(1)`` after
+    ``OnExceptionCheckpoint`` saved; its save raised a ``ValueError`` instead (the gathered parameters are not the
+    optimizer's) and wrote nothing."""
+    root = _shared_path(tmp_path, "run")
+    first = Requeued()
+    first.interrupted_at = 4  # the first micro-batch of step 3
+    with pytest.raises(SystemExit):
+        _fit(first, root, callbacks=[OnExceptionCheckpoint(root)])
+    path = os.path.join(root, "on_exception.ckpt")
+    assert _loop_state(path) == (2, [{"consumed": 4}])
+    resumed = Requeued()
+    assert _fit(resumed, root, ckpt_path=path).global_step == 6
+    assert _max_diff(_params(resumed), reference(6)) < TOL

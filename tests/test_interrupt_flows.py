@@ -17,13 +17,15 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, OnExceptionCheckpoint
 
 from tests.harness import distributed
 from tests.test_faults_midepoch import ResumableGPT, _max_diff, _params, reference
 from tests.test_multinode_flows import _environment, _slurm
 from tests.test_strategy import _trainer
 from tests.test_strategy_checkpoint import _shared_path
+from tests.test_trainer_features import _full, _single_trainer, _worst
+from tests.test_trainer_flows import ONE_PROCESS, Flow
 
 TOL = 1e-5
 
@@ -122,3 +124,53 @@ def test_keyboard_interrupt_on_every_rank_saves_a_resumable_on_exception_checkpo
     resumed = Requeued()
     assert _fit(resumed, root, ckpt_path=path).global_step == 6
     assert _max_diff(_params(resumed), reference(6)) < TOL
+
+
+# ------------------------------------------------------------------ repeated and resumed fits, as one process does them
+def _both(run) -> None:
+    """``run(module, make_trainer, root)`` here (2 ranks) and in one process on the same global batches: the same
+    optimizer steps and parameters."""
+    ours, ref = Flow(), Flow(mirrors=dist.get_world_size())
+    run(ours, lambda **kw: _trainer(max_steps=-1, **kw))
+    run(ref, lambda **kw: _single_trainer(max_steps=-1, **ONE_PROCESS, **kw))
+    assert ours.steps_seen == ref.steps_seen and ours.steps_seen
+    assert _worst(_full(ours), _full(ref)) < TOL
+
+
+def _fit_twice(module, make) -> None:
+    trainer = make(max_epochs=1)
+    trainer.fit(module)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module)  # continues with epoch 1 (a new optimizer: Lightning builds it again at every fit)
+
+
+def _fit_after_test(module, make) -> None:
+    trainer = make(max_epochs=1, limit_test_batches=2)
+    trainer.test(module, verbose=False)
+    trainer.fit(module)
+
+
+@pytest.mark.parametrize("run", [_fit_twice, _fit_after_test])
+@distributed(world_size=2)
+def test_a_second_call_on_the_same_trainer_trains_like_one_process(run):
+    _both(run)
+
+
+@distributed(world_size=2)
+def test_resume_from_last_without_a_checkpoint_then_with_another_accumulation_in_a_new_trainer(tmp_path):
+    """The module of a finished ``fit`` resumed by a new Trainer (a notebook): its parameters keep the last step's
+    gradients, and the engine built the optimizer-state template without state ("unexpected keys ...
+    momentum_buffer", nothing loaded). Compared with one process switching the accumulation at the same epoch."""
+    root = _shared_path(tmp_path, "run")
+    ours = Flow()
+    first = _trainer(
+        max_steps=-1, max_epochs=1, accumulate_grad_batches=2, default_root_dir=root, enable_checkpointing=True
+    )
+    first.fit(ours, ckpt_path="last")  # nothing saved yet: Lightning warns and trains from the start, as for DDP
+    ckpt = os.path.join(root, "checkpoints", "epoch=0-step=4.ckpt")
+    _trainer(max_steps=-1, max_epochs=2, default_root_dir=root).fit(ours, ckpt_path=ckpt)  # accumulation 1
+    ref = Flow(mirrors=dist.get_world_size())
+    schedule = GradientAccumulationScheduler({0: 2, 1: 1})
+    _single_trainer(max_steps=-1, max_epochs=2, callbacks=[schedule], **ONE_PROCESS).fit(ref)
+    assert ours.steps_seen == ref.steps_seen == [(0, 2), (0, 4), (0, 6), (0, 8), *[(1, b) for b in range(1, 9)]]
+    assert _worst(_full(ours), _full(ref)) < TOL

@@ -17,7 +17,7 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler, OnExceptionCheckpoint
 
 from tests.harness import distributed
 from tests.test_faults_midepoch import ResumableGPT, _max_diff, _params, reference
@@ -174,3 +174,24 @@ def test_resume_from_last_without_a_checkpoint_then_with_another_accumulation_in
     _single_trainer(max_steps=-1, max_epochs=2, callbacks=[schedule], **ONE_PROCESS).fit(ref)
     assert ours.steps_seen == ref.steps_seen == [(0, 2), (0, 4), (0, 6), (0, 8), *[(1, b) for b in range(1, 9)]]
     assert _worst(_full(ours), _full(ref)) < TOL
+
+
+# ------------------------------------------------------------------ stopping decisions the ranks disagree on
+class RankMetric(Flow):
+    """Logs a validation metric without ``sync_dist``: rank 0's improves every epoch, rank 1's worsens."""
+
+    def validation_step(self, batch, batch_idx):
+        sign = 1.0 if self.global_rank == 1 else -1.0
+        self.log("rank_metric", torch.tensor(sign * self.current_epoch))
+
+
+@distributed(world_size=2)
+def test_early_stopping_on_a_metric_the_ranks_disagree_on_stops_every_rank_together():
+    # EarlyStopping reduces its decision with strategy.reduce_boolean_decision(all=False): rank 1 decides for all
+    stop = EarlyStopping(monitor="rank_metric", patience=0)
+    trainer = _trainer(max_steps=-1, max_epochs=5, limit_train_batches=2, limit_val_batches=1, callbacks=[stop])
+    module = RankMetric()
+    trainer.fit(module)
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (trainer.current_epoch, trainer.global_step, module.steps_seen))
+    assert seen[0] == seen[1] == (2, 4, [(0, 1), (0, 2), (1, 1), (1, 2)])

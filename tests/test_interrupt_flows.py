@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler, OnExceptionCheckpoint
 
+import strategies
 from tests.harness import distributed
 from tests.test_faults_midepoch import ResumableGPT, _max_diff, _params, reference
 from tests.test_multinode_flows import _environment, _slurm
@@ -73,10 +74,11 @@ def _slurm_job(root: str):
     return _environment({**values, "PATH": f"{bindir}:{os.environ['PATH']}"})
 
 
-def _fit(module, root: str, callbacks=(), ckpt_path=None) -> object:
+def _fit(module, root: str, callbacks=(), ckpt_path=None, tp: int = 1) -> object:
     trainer = _trainer(
         default_root_dir=root, max_steps=6, accumulate_grad_batches=2, use_distributed_sampler=False, devices=2,
         callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
+        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp),
     )  # fmt: skip
     trainer.fit(module, ckpt_path=ckpt_path)  # under SLURM, no ckpt_path: the latest hpc_ckpt_<n>.ckpt
     return trainer
@@ -109,21 +111,27 @@ def test_sigusr1_at_different_points_of_a_step_saves_and_requeues(tmp_path):
     assert _max_diff(_params(requeued), reference(6)) < TOL
 
 
+@pytest.mark.parametrize(("arch", "tp"), [("gpt", 1), ("llama", 2)])
 @distributed(world_size=2, timeout=90)
-def test_keyboard_interrupt_on_every_rank_saves_a_resumable_on_exception_checkpoint(tmp_path):
+def test_keyboard_interrupt_on_every_rank_saves_a_resumable_on_exception_checkpoint(tmp_path, arch, tp):
     """Ctrl+C inside ``training_step`` (the root unit unsharded): Lightning exits with ``SystemExit(1)`` after
     ``OnExceptionCheckpoint`` saved; its save raised a ``ValueError`` instead (the gathered parameters are not the
-    optimizer's) and wrote nothing."""
+    optimizer's) and wrote nothing. FSDP 2: compared with one process; TP 2: with the uninterrupted run."""
     root = _shared_path(tmp_path, "run")
-    first = Requeued()
+    first = Requeued(arch=arch)
     first.interrupted_at = 4  # the first micro-batch of step 3
     with pytest.raises(SystemExit):
-        _fit(first, root, callbacks=[OnExceptionCheckpoint(root)])
+        _fit(first, root, callbacks=[OnExceptionCheckpoint(root)], tp=tp)
     path = os.path.join(root, "on_exception.ckpt")
     assert _loop_state(path) == (2, [{"consumed": 4}])
-    resumed = Requeued()
-    assert _fit(resumed, root, ckpt_path=path).global_step == 6
-    assert _max_diff(_params(resumed), reference(6)) < TOL
+    resumed = Requeued(arch=arch)
+    assert _fit(resumed, root, ckpt_path=path, tp=tp).global_step == 6
+    if tp == 1:
+        assert _max_diff(_params(resumed), reference(6)) < TOL
+    else:
+        straight = Requeued(arch=arch)
+        _fit(straight, os.path.join(root, "straight"), tp=tp)
+        assert _max_diff(_params(resumed), _params(straight)) < 5e-5
 
 
 # ------------------------------------------------------------------ repeated and resumed fits, as one process does them

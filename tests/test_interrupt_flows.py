@@ -39,6 +39,7 @@ class Requeued(ResumableGPT):
     signal_at: list[tuple[int, str]] | None = None
     killed_at: int | None = None
     interrupted_at: int | None = None  # batch index of epoch 0: KeyboardInterrupt (Ctrl+C) after the forward
+    interrupted_in_backward = False  # instead: in the backward, between the two blocks' (one reduce-scatter done)
     _signalled = False
 
     def _signal(self, where: str, batch_idx: int) -> None:
@@ -49,9 +50,14 @@ class Requeued(ResumableGPT):
     def training_step(self, batch, batch_idx):
         if self.killed_at == self.global_step:
             raise RuntimeError("killed by SLURM")
+        interrupt = self.interrupted_at == batch_idx and self.current_epoch == 0
+        in_backward = interrupt and self.interrupted_in_backward
+        hook = self.model.blocks[1].register_forward_hook(_interrupt_backward) if in_backward else None
         loss = super().training_step(batch, batch_idx)
         self._signal("step", batch_idx)  # between the forward and the backward
-        if self.interrupted_at == batch_idx and self.current_epoch == 0:
+        if hook is not None:
+            hook.remove()
+        elif interrupt:
             raise KeyboardInterrupt
         return loss
 
@@ -61,6 +67,14 @@ class Requeued(ResumableGPT):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self._loader.consumed = batch_idx + 1
         self._signal("end", batch_idx)
+
+
+def _interrupt_backward(module, args, output):
+    def interrupt(grad):
+        raise KeyboardInterrupt
+
+    if module.training and torch.is_grad_enabled():
+        output.register_hook(interrupt)
 
 
 def _slurm_job(root: str):
@@ -111,15 +125,16 @@ def test_sigusr1_at_different_points_of_a_step_saves_and_requeues(tmp_path):
     assert _max_diff(_params(requeued), reference(6)) < TOL
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("gpt", 1), ("llama", 2)])
+@pytest.mark.parametrize(("arch", "tp", "in_backward"), [("gpt", 1, False), ("gpt", 1, True), ("llama", 2, False)])
 @distributed(world_size=2, timeout=90)
-def test_keyboard_interrupt_on_every_rank_saves_a_resumable_on_exception_checkpoint(tmp_path, arch, tp):
-    """Ctrl+C inside ``training_step`` (the root unit unsharded): Lightning exits with ``SystemExit(1)`` after
-    ``OnExceptionCheckpoint`` saved; its save raised a ``ValueError`` instead (the gathered parameters are not the
-    optimizer's) and wrote nothing. FSDP 2: compared with one process; TP 2: with the uninterrupted run."""
+def test_keyboard_interrupt_on_every_rank_saves_a_resumable_on_exception_checkpoint(tmp_path, arch, tp, in_backward):
+    """Ctrl+C inside ``training_step`` (the root unit unsharded) or in the middle of its backward: Lightning exits
+    with ``SystemExit(1)`` after ``OnExceptionCheckpoint`` saved; its save raised a ``ValueError`` instead (the
+    gathered parameters are not the optimizer's) and wrote nothing. FSDP 2: compared with one process; TP 2: with
+    the uninterrupted run."""
     root = _shared_path(tmp_path, "run")
     first = Requeued(arch=arch)
-    first.interrupted_at = 4  # the first micro-batch of step 3
+    first.interrupted_at, first.interrupted_in_backward = 4, in_backward  # the first micro-batch of step 3
     with pytest.raises(SystemExit):
         _fit(first, root, callbacks=[OnExceptionCheckpoint(root)], tp=tp)
     path = os.path.join(root, "on_exception.ckpt")

@@ -6,8 +6,10 @@ the sharded DTensors the optimizer updates. Lightning next calls the callbacks' 
 ``OnExceptionCheckpoint`` saves a checkpoint; its state dict met the gathered parameters and the save raised
 "parameter 0 of param group 0 ... is not a parameter of ..." in place of the interrupt, writing nothing. DDP has no
 such state and saves. ``resharded_on_exception`` points every unit back at its shards (local: no collective but
-the wait for an all-gather that every rank started already) and re-raises; the units' training states are reset
-by the next forward, as after any interrupted step.
+the wait for an all-gather that every rank started already), drops the gradients not yet reduced into the sharded
+``.grad`` (the interrupted backward's partial sums and a no-sync accumulation: ``zero_grad`` at the next step clears
+only the sharded ``.grad``, so a module resumed in the same process trained on them, wrong with no error) and
+re-raises; the units' training states are reset by the next forward, as after any interrupted step.
 
 Example::
 
@@ -29,8 +31,8 @@ __all__ = ["resharded_on_exception"]
 
 @contextmanager
 def resharded_on_exception(model: nn.Module | None) -> Iterator[None]:
-    """Run the block; if it raises anything (``KeyboardInterrupt`` included), reshard every FSDP unit of ``model``
-    and re-raise the original exception."""
+    """Run the block; if it raises anything (``KeyboardInterrupt`` included), reshard every FSDP unit of ``model``,
+    drop its unreduced gradients and re-raise the original exception."""
     try:
         yield
     except BaseException:
@@ -38,4 +40,5 @@ def resharded_on_exception(model: nn.Module | None) -> Iterator[None]:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+                    module.drop_unreduced_gradients()
         raise

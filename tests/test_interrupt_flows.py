@@ -222,3 +222,25 @@ def test_early_stopping_on_a_metric_the_ranks_disagree_on_stops_every_rank_toget
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (trainer.current_epoch, trainer.global_step, module.steps_seen))
     assert seen[0] == seen[1] == (2, 4, [(0, 1), (0, 2), (1, 1), (1, 2)])
+
+
+class FailsInValidation(Requeued):
+    def validation_step(self, batch, batch_idx):
+        self.model(batch[0])  # the units gathered, as in any evaluation forward
+        raise RuntimeError("validation failed")
+
+
+@distributed(world_size=2)
+def test_an_exception_in_validation_on_every_rank_saves_a_resumable_on_exception_checkpoint(tmp_path):
+    root = _shared_path(tmp_path, "run")
+    run = dict(max_steps=4, val_check_interval=2, use_distributed_sampler=False, default_root_dir=root)
+    with pytest.raises(RuntimeError, match="validation failed"):
+        trainer = _trainer(
+            limit_val_batches=1, callbacks=[OnExceptionCheckpoint(root)], enable_checkpointing=True, **run
+        )
+        trainer.fit(FailsInValidation())
+    path = os.path.join(root, "on_exception.ckpt")
+    assert _loop_state(path) == (2, [{"consumed": 2}])
+    resumed = Requeued()
+    _trainer(**run).fit(resumed, ckpt_path=path)
+    assert _max_diff(_params(resumed), reference(4, accumulate=1)) < TOL

@@ -35,10 +35,18 @@ def resharded_on_exception(model: nn.Module | None) -> Iterator[None]:
     drop its unreduced gradients and re-raise the original exception."""
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         if model is not None:
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-                    module.drop_unreduced_gradients()
+            _reshard(model, error)
         raise
+
+
+def _reshard(model: nn.Module, error: BaseException) -> None:
+    try:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+                module.drop_unreduced_gradients()
+    except Exception as failed:  # noqa: BLE001 - e.g. a prefetch's wait on a broken process group
+        # the original error is the one to see; the one of the clean-up only adds to it
+        error.add_note(f"shard_fsdp_tp: resharding the model after this error failed too: {failed!r}")

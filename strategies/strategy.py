@@ -68,6 +68,7 @@ from strategies.compile import compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
+from strategies.interrupts import resharded_on_exception
 from strategies.metrics import set_data_parallel_group, sync_metrics_over_data_parallel
 from strategies.peft_adapters import refuse_prefix_tuning_under_tp, wrap_peft_methods
 from strategies.precision import ShardPrecision
@@ -225,6 +226,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._eval_position_checks: dict[str, bool] = {}  # loops with a length-less dataloader (batch_counts)
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
+        self._requeue: requeue.DeferredRequeue | None = None  # SLURM auto-requeue, run where the ranks agree
         # names materialize could not initialise (None: nothing was on meta); checked before the first step,
         # after a checkpoint had the chance to fill them
         self._unset_after_materialize: list[str] | None = None
@@ -532,6 +534,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # before Lightning registers its signal handlers: SIGUSR1's save must not run wherever a rank happens to be
+            self._requeue = requeue.DeferredRequeue.install(trainer)
         self.setup_precision_plugin()
 
     def _sync_metrics_over_data_parallel(self) -> None:
@@ -643,7 +647,11 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         args, kwargs = self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
-        with self.precision_plugin.train_step_context(), self._loss_parallel_context():
+        with (
+            resharded_on_exception(self.model),
+            self.precision_plugin.train_step_context(),
+            self._loss_parallel_context(),
+        ):
             out = self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
         return _local_loss(out) if self._loss_parallel_active() else out
 
@@ -657,7 +665,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # loss_parallel's backward ops (vocab-parallel log-softmax / nll) must run inside the context too.
-        with self._loss_parallel_context():
+        with resharded_on_exception(self.model), self._loss_parallel_context():
             return super().backward(closure_loss, *args, **kwargs)
 
     def _loss_parallel_active(self) -> bool:
@@ -676,21 +684,29 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._check_eval_position("validation", args, kwargs)
         args, kwargs = self._first_batch_check(self._device_mesh, "validation", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.val_step_context(), self._loss_parallel_context():
+        with (
+            resharded_on_exception(self.model),
+            self.precision_plugin.val_step_context(),
+            self._loss_parallel_context(),
+        ):
             return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
         self._check_eval_position("test", args, kwargs)
         args, kwargs = self._first_batch_check(self._device_mesh, "test", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.test_step_context(), self._loss_parallel_context():
+        with (
+            resharded_on_exception(self.model),
+            self.precision_plugin.test_step_context(),
+            self._loss_parallel_context(),
+        ):
             return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
         self._check_eval_position("predict", args, kwargs)
         args, kwargs = self._first_batch_check(self._device_mesh, "predict", args, kwargs)
         self._check_initialised()
-        with self.precision_plugin.predict_step_context():
+        with resharded_on_exception(self.model), self.precision_plugin.predict_step_context():
             return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
 
     # Lightning's predict sampler (UnrepeatedDistributedSampler) deals the samples without padding, so with
@@ -710,6 +726,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         if self.world_size > 1 and not isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
             batch_counts.check_train_ends_alike(trainer, batch_idx, self.root_device)
+        if self._requeue is not None:
+            self._requeue.at_batch_start(trainer, batch_idx, self.reduce_boolean_decision)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

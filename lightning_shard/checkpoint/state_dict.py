@@ -270,13 +270,22 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
     """Create lazily-initialised state (e.g. Adam's exp_avg) with one zero-gradient, zero-lr step.
 
     The same trick as torch's ``state_dict._init_optim_state``: without it a fresh optimizer has no state tensors
-    to load into. Parameters are unchanged (zero lr); gradients are reset to None afterwards.
+    to load into. Parameters are unchanged (zero lr); gradients are restored afterwards. Unlike torch's, which
+    returns early when a parameter has a gradient, it also runs then: a module trained by an earlier
+    ``trainer.fit`` keeps its last step's gradients, and a new Trainer resuming it from a checkpoint built a
+    template without state that refused the checkpoint's ("unexpected keys ... momentum_buffer").
     """
     if optim.state or _step_needs_closure(optim):  # LBFGS: no step without a closure (check_optimizer_loadable)
         return
     params = [p for g in optim.param_groups for p in g[_PARAMS]]
-    if any(p.grad is not None for p in params):
-        return
+    kept = [p.grad for p in params]
+    _zero_lr_step(optim, params)
+    for p, grad in zip(params, kept):
+        p.grad = grad
+
+
+def _zero_lr_step(optim: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """One step with zero gradients at lr 0 (the lazily-built state appears, the parameters stay)."""
     for p in params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)

@@ -81,6 +81,23 @@ class FSDPModule:
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reshard()
 
+    def drop_unreduced_gradients(self) -> None:
+        """Forget this module's gradients that are not in the sharded ``.grad`` yet: those kept unsharded by
+        ``set_requires_gradient_sync(False)`` and the partial ones of a backward an exception stopped.
+
+        Not in torch's FSDP2. Call it on every unit after an interrupted step, before training goes on:
+        ``optimizer.zero_grad()`` clears only the sharded ``.grad``, and these were added into the next backward
+        (the strategy calls it when a step raises). Local: no collective.
+
+        Example::
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.drop_unreduced_gradients()
+        """
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.drop_unreduced_grads()
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: keep gradients unsharded and accumulate them locally (no communication) until set back."""
         for state in self._states(recurse):

@@ -469,6 +469,15 @@ class FSDPParamGroup:
             output=self._direct_reduce_output(),
         )
 
+    def drop_unreduced_grads(self) -> None:
+        """Forget the gradients not yet reduced into the sharded ``.grad``: the no-sync accumulation and the
+        unsharded parameters' ``.grad`` (the partial sums of a backward an exception stopped). ``zero_grad`` on the
+        optimizer clears only the sharded ``.grad``; these would otherwise be added into the next backward."""
+        self.accumulated_grads = None
+        for fp in self.params:
+            if fp.unsharded is not None:
+                fp.unsharded.grad = None
+
     def _direct_reduce_output(self) -> torch.Tensor | None:
         """A new sharded gradient buffer when ``GradientBufferChoice`` says the reduce-scatter writes into it."""
         staged_bytes = self.layout.world_size * self.layout.shard_numel * self.reduce_dtype.itemsize

@@ -256,7 +256,7 @@ class OwnSampler(Recorder):
         return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True, seed=3, **kw))
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
 @distributed(world_size=2)
 def test_own_distributed_sampler(arch, tp):
     ours = OwnSampler(arch, "dp")
@@ -312,7 +312,7 @@ class Bucketed(Recorder):
         return DataLoader(data, batch_sampler=sampler, collate_fn=_pad)
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
 @distributed(world_size=2)
 def test_length_bucketing_batch_sampler(arch, tp):
     ours = Bucketed(arch)
@@ -628,7 +628,7 @@ class ShardingData(L.LightningDataModule):
         return DataLoader(self.part, batch_size=4)
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
 @distributed(world_size=2)
 def test_datamodule_setup_shards_by_rank(arch, tp):
     data, ours = ShardingData("dp"), Recorder(arch)

@@ -313,31 +313,33 @@ def _meshes():
     return {"DP=1": one, "DP=2": hsdp["data_parallel"], "DP=4": world, "HSDP 2x2": hsdp}
 
 
+RESHARD_PLAN = {"DP=2": ["DP=1", "DP=4", "HSDP 2x2"], "DP=4": ["DP=2"], "HSDP 2x2": ["DP=1", "DP=2"]}
+
+
+# saved on DP=2 by default (to DP=1, DP=4 and HSDP); the other sources in the slow run
+@pytest.mark.parametrize("src", ["DP=2", *(pytest.param(src, marks=pytest.mark.slow) for src in ("DP=4", "HSDP 2x2"))])
 @distributed(world_size=4)
-def test_reshard_matrix(tmp_path):
+def test_reshard_matrix(tmp_path, src):
     tmp = _shared_dir(tmp_path)
     meshes = _meshes()
-    data = batches(2, 4)
-    plan = {"DP=2": ["DP=1", "DP=4", "HSDP 2x2"], "DP=4": ["DP=2"], "HSDP 2x2": ["DP=1", "DP=2"]}
-    for src, dsts in plan.items():
-        model = _fsdp(make_model(), meshes[src])
-        opt = make_optimizer(model, 0.1, "adamw")
-        _steps(model, opt, data, meshes[src])
-        path = os.path.join(tmp, src.replace(" ", "_").replace("=", ""))
-        save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}, path)
-        expected = _snapshot(model, opt)
-        for dst in dsts:
-            fresh = _fsdp(make_model(seed=11), meshes[dst])
-            fopt = make_optimizer(fresh, 0.1, "adamw")
-            state = {"model": get_model_state_dict(fresh), "optimizer": get_optimizer_state_dict(fresh, fopt)}
-            load(state, path)
-            set_optimizer_state_dict(fresh, fopt, state["optimizer"])
-            placements = fresh.embed.weight.placements
-            assert placements == ((Replicate(), Shard(0)) if dst == "HSDP 2x2" else (Shard(0),)), dst
-            got = _snapshot(fresh, fopt)
-            assert got.keys() == expected.keys()
-            for k in got:
-                assert torch.equal(got[k], expected[k]), f"{src} -> {dst}: {k}"
+    model = _fsdp(make_model(), meshes[src])
+    opt = make_optimizer(model, 0.1, "adamw")
+    _steps(model, opt, batches(2, 4), meshes[src])
+    path = os.path.join(tmp, src.replace(" ", "_").replace("=", ""))
+    save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}, path)
+    expected = _snapshot(model, opt)
+    for dst in RESHARD_PLAN[src]:
+        fresh = _fsdp(make_model(seed=11), meshes[dst])
+        fopt = make_optimizer(fresh, 0.1, "adamw")
+        state = {"model": get_model_state_dict(fresh), "optimizer": get_optimizer_state_dict(fresh, fopt)}
+        load(state, path)
+        set_optimizer_state_dict(fresh, fopt, state["optimizer"])
+        placements = fresh.embed.weight.placements
+        assert placements == ((Replicate(), Shard(0)) if dst == "HSDP 2x2" else (Shard(0),)), dst
+        got = _snapshot(fresh, fopt)
+        assert got.keys() == expected.keys()
+        for k in got:
+            assert torch.equal(got[k], expected[k]), f"{src} -> {dst}: {k}"
 
 
 # ---------------------------------------------------------------------------------------------- one process

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -114,6 +115,7 @@ def _momentum(trainer) -> dict[int, torch.Tensor]:
     return {i: opt.state[p]["momentum_buffer"].full_tensor() for i, p in enumerate(params) if p in opt.state}
 
 
+@pytest.mark.slow  # tests/test_faults_resume.py resumes a ModelParallelStrategy checkpoint by default
 @distributed(world_size=2)
 def test_resume_from_a_model_parallel_strategy_checkpoint(tmp_path):
     from lightning.pytorch.strategies import ModelParallelStrategy

@@ -46,6 +46,8 @@ from tests.test_trainer_features import _full, _single_trainer, _worst
 
 CASES = [("gpt", 1), ("llama", 2)]  # FSDP 2; TP 2 (one data-parallel rank)
 FSDP_DEFAULT = [("gpt", 1), pytest.param("llama", 2, marks=pytest.mark.slow)]  # the TP case of a long test: slow
+TP_DEFAULT = [pytest.param("gpt", 1, marks=pytest.mark.slow), ("llama", 2)]  # the FSDP case of a long test: slow
+ALL_SLOW = [pytest.param(*case, marks=pytest.mark.slow) for case in CASES]  # loop features other tests cover too
 LR = 0.1
 
 
@@ -135,7 +137,7 @@ class StreamByGlobalRank(Recorder):
         return DataLoader(Stream(32, self.trainer.global_rank, self.trainer.world_size), batch_size=4)
 
 
-@pytest.mark.parametrize(("arch", "tp"), CASES)
+@pytest.mark.parametrize(("arch", "tp"), TP_DEFAULT)
 @distributed(world_size=2)
 def test_iterable_dataset_split_by_the_data_parallel_rank(arch, tp):
     ours = StreamByDataParallelRank(arch)
@@ -359,7 +361,7 @@ def _val_loss_at(steps: list[int], out: list[tuple[int, float]]):
     return after_step
 
 
-@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
+@pytest.mark.parametrize(("arch", "tp"), ALL_SLOW)
 @distributed(world_size=2)
 def test_uneven_lengths_and_loop_intervals(arch, tp):
     dp = 2 // tp
@@ -462,7 +464,7 @@ class Combined(Recorder):
         return [tuple(batch[k]) for k in sorted(batch) if batch[k] is not None]  # max_size: None once one ends
 
 
-@pytest.mark.parametrize(("arch", "tp"), FSDP_DEFAULT)
+@pytest.mark.parametrize(("arch", "tp"), ALL_SLOW)
 @distributed(world_size=2)
 def test_combined_loaders_in_training(arch, tp):
     dp = 2 // tp
@@ -583,10 +585,8 @@ KINDS = ("dict", "dataclass", "namedtuple", "batch_encoding")
 
 @pytest.mark.parametrize(
     ("arch", "tp", "kinds"),
-    [  # each kind once by default, on both meshes in the slow run
-        ("gpt", 1, ("dict", "namedtuple")),
-        ("llama", 2, ("dataclass", "batch_encoding")),
-        pytest.param("gpt", 1, KINDS, marks=pytest.mark.slow),
+    [  # every kind under FSDP by default, under TP in the slow run
+        ("gpt", 1, KINDS),
         pytest.param("llama", 2, KINDS, marks=pytest.mark.slow),
     ],
 )

@@ -154,7 +154,7 @@ def test_save_load_round_trip(state_dict_type):
     assert everything["step"] == STEPS and set(everything["model"]) == set(make_model(0).state_dict())
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
 @distributed(world_size=2)
 def test_trainer_checkpoint_loads_in_fabric(state_dict_type):
     from tests.lightning_models import LitGPT
@@ -179,7 +179,7 @@ def test_trainer_checkpoint_loads_in_fabric(state_dict_type):
     assert remainder["global_step"] == 3  # the rest of Lightning's checkpoint comes back
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
 @distributed(world_size=2)
 def test_failed_load_changes_nothing(state_dict_type):
     fabric = _fabric(strategy=strategies.ShardFSDPTPFabricStrategy(state_dict_type=state_dict_type))
@@ -222,6 +222,7 @@ def test_failed_load_changes_nothing(state_dict_type):
         assert changed == [], (match, changed)
 
 
+@pytest.mark.slow  # the writer is the Trainer's (tests/test_strategy.py runs the same failure by default)
 @distributed(world_size=2, timeout=90, fresh=True)  # before the fix, rank 1 waited in a barrier until the timeout
 def test_full_save_failing_on_rank_0_raises_on_every_rank():
     from tests.test_strategy import _read, assert_failed_save_left_no_trace, failing_write_on_rank_0

@@ -76,7 +76,7 @@ def _worst(model, ref) -> float:
     return max((ours[n] - ref[n]).abs().max().item() for n in ref)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 @distributed(world_size=2)
 def test_fabric_from_pretrained_under_empty_init_save_load_resume_equals_one_process(tmp_path, tp):
     from transformers import AutoModelForCausalLM
@@ -180,7 +180,7 @@ def _two_groups(model) -> list[dict]:  # the usual fine-tuning split: matrices a
     ]
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
 @distributed(world_size=2)
 def test_fabric_tp_checkpoint_of_a_tied_model_resumes_under_fsdp(tmp_path, state_dict_type):
     from transformers import AutoModelForCausalLM

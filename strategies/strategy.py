@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import shutil
+from collections import Counter
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -619,10 +620,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         mesh = dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))
         coverage = summary.get("tp_coverage")
         tp_text = f"{len(plan) if plan else 0} entries" + (f"; {coverage.describe()}" if coverage else "")
+        counts = Counter(units)  # nested unit classes (a block and its MLP) each by name
         rank_zero_info(
             f"shard_fsdp_tp: mesh {mesh}, precision {self.precision_plugin.precision}, FSDP units: "
-            f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {tp_text}"
+            f"{', '.join(f'{n} x {name}' for name, n in counts.items()) or '-'} + root, TP plan: {tp_text}"
         )
+        for warning in parallelize.unmatched_choices(self.fsdp_unit, self.activation_checkpointing_policy, summary):
+            rank_zero_warn(warning)
         rank_zero_info(_memory_line(model, summary))
         skipping = parallelize.random_layer_skipping(model)
         if skipping and self.world_size > 1:

@@ -65,7 +65,7 @@ from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
 from strategies import auto, batch_counts, finetuning, loading, nodes, parallelize, requeue, unsupported
-from strategies.compile import compile_fsdp_units
+from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
@@ -219,6 +219,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 f"ShardFSDPTPStrategy: compile_fsdp_units={compile_fsdp_units!r} must be a bool or a dict of "
                 "torch.compile arguments"
             )
+        if compile_fsdp_units:
+            check_no_tensor_parallelism(tensor_parallel_size, tp_plan)
         self.compile_fsdp_units = compile_fsdp_units
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -576,6 +578,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
         # host over the mesh's groups, which carry host tensors; meta tensors (no values yet) are skipped, the
         # real buffers of a model built with empty_init=True are not.
+        if self.compile_fsdp_units:  # tensor_parallel_size="auto" is decided by now
+            check_no_tensor_parallelism(self.device_mesh.size("tensor_parallel"), self.tp_plan)
         parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
@@ -1244,6 +1248,15 @@ def _check_arguments(
     ):
         raise ValueError(
             f"{name}: reshard_after_forward={reshard_after_forward!r}: use True, False, an int >= 1 or 'auto'"
+        )
+    _, reshard, _ = _SHARDING[sharding_strategy]
+    if not reshard and isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        # These strategies keep the gathered parameters until backward: the k-way reshard would be dropped unseen.
+        raise ValueError(
+            f"{name}: reshard_after_forward={reshard_after_forward} (a {reshard_after_forward}-way shard kept after "
+            f"forward) conflicts with sharding_strategy={sharding_strategy!r}, which keeps the parameters gathered "
+            "between forward and backward; use sharding_strategy='FULL_SHARD' (or 'HYBRID_SHARD') with it, or leave "
+            "reshard_after_forward at its default"
         )
     if cpu_offload != "auto" and not isinstance(cpu_offload, bool):
         raise TypeError(f"{name}: cpu_offload={cpu_offload!r} must be True, False or 'auto'")

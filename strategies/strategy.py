@@ -93,7 +93,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         data_parallel_size: ranks per data-parallel group; ``"auto"`` = world size / TP size.
         tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice; see below).
             Both sizes also accept their digits as a string (``"2"``), as command lines pass them.
-        fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
+        fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable (rank 0 warns
+            when one matches no module: the whole model is then one unit).
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
         sequence_parallel: with ``tp_plan="auto"``, shard the activations between blocks on the sequence dim
             (norms and residuals on ``T / tp`` tokens; each block's all-reduces become all-gather +
@@ -101,7 +102,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             them could be indexed by position; off, with the reason in the startup summary, for Hugging
             Face models (they build masks and positions from the embedding's shape), encoder-decoders,
             ``nn.MultiheadAttention`` and models holding a position table outside the blocks. ``True``
-            forces it (a Hugging Face model is then refused), ``False`` turns it off. Under sequence
+            forces it where the blocks allow it (a Hugging Face decoder is then refused; where the blocks rule
+            it out, as in T5 or BERT, it is off with the reason), ``False`` turns it off. Under sequence
             parallel a sequence length not divisible by the TP size raises, naming the fix (pad it).
         loss_parallel: with ``tp_plan="auto"``, the LM head returns vocabulary-sharded DTensor logits and
             ``training_step`` and ``backward`` run inside ``lightning_shard.tp.loss_parallel()``, so
@@ -109,7 +111,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             a replicated DTensor; the strategy hands Lightning its local value (log ``loss.full_tensor()``).
         reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
             k-way shard for a backward all-gather over k neighbouring ranks (int k; see ``fully_shard``).
-            ``sharding_strategy`` names without resharding override it. ``"auto"``: the planner's choice.
+            ``sharding_strategy`` names without resharding override ``True`` and refuse an int k.
+            ``"auto"``: the planner's choice.
         cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (True/False, or ``"auto"``).
         state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file) for checkpoints.
         sharding_strategy: FSDP1's names, so Lightning ``FSDPStrategy`` users switch by one string.
@@ -120,7 +123,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         planner_device_memory: the memory per device the planner fits into (bytes or ``"24GiB"``); default
             ``None``: the GPU's total memory, or on CPU the host's RAM divided by the local processes.
         compile_fsdp_units: ``torch.compile`` each FSDP unit's forward after sharding (``True``, or a dict of
-            ``torch.compile`` arguments); see ``strategies.compile``.
+            ``torch.compile`` arguments); FSDP only (refused with tensor parallelism); see ``strategies.compile``.
         process_group_backend, timeout, start_method: process-group and launcher settings.
 
     ``"auto"`` (``tensor_parallel_size``, ``activation_checkpointing_policy``, ``reshard_after_forward``,

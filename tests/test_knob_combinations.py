@@ -15,8 +15,9 @@ under TP). The default run keeps one case per fix and a z-loss under ``loss_para
   (4 ranks) x clipping x resume into a new Trainer; an int ``reshard_after_forward`` with a strategy that keeps
   parameters gathered is refused (it was dropped).
 * ``fsdp_unit`` as nested classes, a callable choosing every Linear, a class that never occurs (rank 0 warns, as
-  for an ``activation_checkpointing_policy`` matching nothing); ``tp_plan`` keys matching nothing and styles on
-  modules they cannot shard (a ``RowwiseParallel`` norm raised ``AttributeError``).
+  for an ``activation_checkpointing_policy`` matching nothing), units splitting Qwen2's tied head (refused);
+  ``tp_plan`` keys matching nothing and styles on modules they cannot shard (a ``RowwiseParallel`` norm raised
+  ``AttributeError``).
 * ``compile_fsdp_units=True`` on Llama (slow); with TP it is refused (dynamo failed on the engine's DTensors).
 """
 
@@ -362,6 +363,27 @@ def test_fsdp_unit_choices_match_one_process(unit, tp):
         want = {"block+mlp": ["LlamaDecoderLayer"] * 2 + ["LlamaMLP"] * 2, "linears": ["Linear"] * 15}[unit]
         assert units == want
     _check(module, _llama, _hf_loss, tp=tp, atol=1e-5 if tp == 1 else 5e-5)
+
+
+def _qwen2():
+    return H.build("qwen2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("unit", "tp", "owner"), [("linears", 2, "Linear"), ("block+embedding", 1, "Embedding")])
+@distributed(world_size=2)
+def test_fsdp_unit_splitting_a_tied_head_is_refused(unit, tp, owner):
+    # Qwen2's LM head shares the embedding's weight: units holding one use but not the other would train two copies.
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    fsdp_unit = _is_linear if unit == "linears" else {Qwen2DecoderLayer, torch.nn.Embedding}
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(fsdp_unit=fsdp_unit, tensor_parallel_size=tp))
+    with pytest.raises(
+        ValueError,
+        match=f"fsdp_unit=.* makes {owner} an FSDP unit that holds parameter 'model.*"
+        "which is the same \\(tied\\) parameter",
+    ):
+        trainer.fit(_Lit(_qwen2, _hf_loss))
 
 
 # ---------------------------------------------------------------------------------------------- tp_plan

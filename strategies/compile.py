@@ -23,6 +23,23 @@ from torch import nn
 from lightning_shard.fsdp import FSDPModule
 
 
+def check_no_tensor_parallelism(tensor_parallel_size: int | str, tp_plan: Any) -> None:
+    """Refuse ``compile_fsdp_units`` with tensor parallelism, before anything is sharded.
+
+    Why: under TP a unit's forward computes on the engine's DTensors (its weights are TP shards), which
+    ``torch.compile`` cannot trace: dynamo failed inside the first step with an ``InternalTorchDynamoError``
+    ("'DTensor' object has no attribute '_spec'") that named neither the option nor a fix. Under FSDP alone the
+    forward sees plain, gathered parameters and compiles.
+    """
+    if tp_plan is None or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 2:
+        return
+    raise ValueError(
+        f"ShardFSDPTPStrategy: compile_fsdp_units with tensor_parallel_size={tensor_parallel_size}: torch.compile "
+        "cannot trace the engine's DTensors, which a tensor-parallel unit's forward computes on; use "
+        "compile_fsdp_units=False with tensor parallelism, or tensor_parallel_size=1 (FSDP only) to compile the units"
+    )
+
+
 def compile_fsdp_units(model: nn.Module, options: dict[str, Any] | None = None) -> list[str]:
     """Replace the ``forward`` of every FSDP unit below the root by its ``torch.compile``-d version (in place,
     idempotent); ``options`` are ``torch.compile`` keyword arguments. Returns the names of the units compiled.

@@ -123,9 +123,12 @@ def apply_parallelism(
         parallelize_module(model, tp_mesh, plan)
         summary["tp_plan"], summary["tp_summary"] = plan, lines
     if activation_checkpointing_policy:
-        _apply_activation_checkpointing(model, activation_checkpointing_policy)
+        summary["checkpointed"] = _apply_activation_checkpointing(model, activation_checkpointing_policy)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     units = find_fsdp_units(model, fsdp_unit)
+    if (not units and fsdp_unit != "auto") or summary.get("checkpointed") == 0:  # named in the warning
+        blocks = find_repeated_blocks(model)
+        summary["repeated_block"] = type(blocks[0]).__name__ if blocks else None
     leave = shared_params_to_leave(model, units, fsdp_unit)
     for unit in units:
         fully_shard(
@@ -144,11 +147,14 @@ def apply_parallelism(
     return summary
 
 
-def _apply_activation_checkpointing(model: nn.Module, classes: set[type]) -> None:
-    """Recompute the forward of every instance of ``classes`` in backward (non-reentrant checkpointing)."""
+def _apply_activation_checkpointing(model: nn.Module, classes: set[type]) -> int:
+    """Recompute the forward of every instance of ``classes`` in backward (non-reentrant checkpointing); returns
+    how many modules that covers."""
     from torch.utils.checkpoint import checkpoint
 
+    count = 0
     for m in model.modules():
+        count += isinstance(m, tuple(classes))
         if isinstance(m, tuple(classes)) and not getattr(m, "_ls_checkpointed", False):
             forward = m.forward
 
@@ -157,6 +163,38 @@ def _apply_activation_checkpointing(model: nn.Module, classes: set[type]) -> Non
 
             m.forward = checkpointed
             m._ls_checkpointed = True
+    return count
+
+
+def unmatched_choices(fsdp_unit, activation_checkpointing_policy, summary: dict) -> list[str]:
+    """Warnings for a user's ``fsdp_unit`` or ``activation_checkpointing_policy`` that matched no module.
+
+    Why: the run is still right, but not what was asked for: with no FSDP unit the whole model is gathered at
+    once (the peak memory of an unsharded model), with nothing checkpointed no activation memory is saved. A
+    class from another model family, or one a wrapper (peft, ``torch.compile``) replaced, matches nothing.
+    """
+    block = summary.get("repeated_block")
+    known = f" (its repeated block class is {block})" if block else ""
+    out = []
+    if fsdp_unit != "auto" and not summary.get("fsdp_units"):
+        out.append(
+            f"shard_fsdp_tp: fsdp_unit={_describe(fsdp_unit)} matched no module, so the whole model is one FSDP unit "
+            f"(gathered at once: the peak memory of the unsharded model){known}; pass the class of the repeated "
+            "block, or fsdp_unit='auto'"
+        )
+    if activation_checkpointing_policy and summary.get("checkpointed") == 0:
+        out.append(
+            f"shard_fsdp_tp: activation_checkpointing_policy={_describe(activation_checkpointing_policy)} matched "
+            f"no module, so nothing is recomputed in backward (no activation memory saved){known}; pass the class "
+            "of the repeated block, or 'auto'"
+        )
+    return out
+
+
+def _describe(choice) -> str:
+    if isinstance(choice, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(sorted(c.__name__ for c in choice)) + "}"
+    return getattr(choice, "__qualname__", repr(choice))
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import shutil
+from collections import Counter
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -64,7 +65,7 @@ from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
 from strategies import auto, batch_counts, finetuning, loading, nodes, parallelize, requeue, unsupported
-from strategies.compile import compile_fsdp_units
+from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
 from strategies.input_checks import FirstBatchCheck
@@ -92,7 +93,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         data_parallel_size: ranks per data-parallel group; ``"auto"`` = world size / TP size.
         tensor_parallel_size: 1 (FSDP only), an int, or ``"auto"`` (the planner's choice; see below).
             Both sizes also accept their digits as a string (``"2"``), as command lines pass them.
-        fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable.
+        fsdp_unit: ``"auto"`` (the repeated block class), a set of module classes, or a callable (rank 0 warns
+            when one matches no module: the whole model is then one unit).
         tp_plan: ``"auto"`` (``lightning_shard.tp.auto_tp_plan``), a plan dict, or ``None`` (no TP).
         sequence_parallel: with ``tp_plan="auto"``, shard the activations between blocks on the sequence dim
             (norms and residuals on ``T / tp`` tokens; each block's all-reduces become all-gather +
@@ -100,7 +102,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             them could be indexed by position; off, with the reason in the startup summary, for Hugging
             Face models (they build masks and positions from the embedding's shape), encoder-decoders,
             ``nn.MultiheadAttention`` and models holding a position table outside the blocks. ``True``
-            forces it (a Hugging Face model is then refused), ``False`` turns it off. Under sequence
+            forces it where the blocks allow it (a Hugging Face decoder is then refused; where the blocks rule
+            it out, as in T5 or BERT, it is off with the reason), ``False`` turns it off. Under sequence
             parallel a sequence length not divisible by the TP size raises, naming the fix (pad it).
         loss_parallel: with ``tp_plan="auto"``, the LM head returns vocabulary-sharded DTensor logits and
             ``training_step`` and ``backward`` run inside ``lightning_shard.tp.loss_parallel()``, so
@@ -108,7 +111,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             a replicated DTensor; the strategy hands Lightning its local value (log ``loss.full_tensor()``).
         reshard_after_forward: free gathered parameters after forward (True), keep them (False), or keep a
             k-way shard for a backward all-gather over k neighbouring ranks (int k; see ``fully_shard``).
-            ``sharding_strategy`` names without resharding override it. ``"auto"``: the planner's choice.
+            ``sharding_strategy`` names without resharding override ``True`` and refuse an int k.
+            ``"auto"``: the planner's choice.
         cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (True/False, or ``"auto"``).
         state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file) for checkpoints.
         sharding_strategy: FSDP1's names, so Lightning ``FSDPStrategy`` users switch by one string.
@@ -119,7 +123,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         planner_device_memory: the memory per device the planner fits into (bytes or ``"24GiB"``); default
             ``None``: the GPU's total memory, or on CPU the host's RAM divided by the local processes.
         compile_fsdp_units: ``torch.compile`` each FSDP unit's forward after sharding (``True``, or a dict of
-            ``torch.compile`` arguments); see ``strategies.compile``.
+            ``torch.compile`` arguments); FSDP only (refused with tensor parallelism); see ``strategies.compile``.
         process_group_backend, timeout, start_method: process-group and launcher settings.
 
     ``"auto"`` (``tensor_parallel_size``, ``activation_checkpointing_policy``, ``reshard_after_forward``,
@@ -218,6 +222,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
                 f"ShardFSDPTPStrategy: compile_fsdp_units={compile_fsdp_units!r} must be a bool or a dict of "
                 "torch.compile arguments"
             )
+        if compile_fsdp_units:
+            check_no_tensor_parallelism(tensor_parallel_size, tp_plan)
         self.compile_fsdp_units = compile_fsdp_units
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -575,6 +581,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # model that fits on the host but not on one device is never whole on it. The broadcasts run on the
         # host over the mesh's groups, which carry host tensors; meta tensors (no values yet) are skipped, the
         # real buffers of a model built with empty_init=True are not.
+        if self.compile_fsdp_units:  # tensor_parallel_size="auto" is decided by now
+            check_no_tensor_parallelism(self.device_mesh.size("tensor_parallel"), self.tp_plan)
         parallelize.broadcast_plain_model(model, self.device_mesh)
         summary = parallelize.apply_parallelism(
             model,
@@ -619,10 +627,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         mesh = dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))
         coverage = summary.get("tp_coverage")
         tp_text = f"{len(plan) if plan else 0} entries" + (f"; {coverage.describe()}" if coverage else "")
+        counts = Counter(units)  # nested unit classes (a block and its MLP) each by name
         rank_zero_info(
             f"shard_fsdp_tp: mesh {mesh}, precision {self.precision_plugin.precision}, FSDP units: "
-            f"{len(units)} x {units[0] if units else '-'} + root, TP plan: {tp_text}"
+            f"{', '.join(f'{n} x {name}' for name, n in counts.items()) or '-'} + root, TP plan: {tp_text}"
         )
+        for warning in parallelize.unmatched_choices(self.fsdp_unit, self.activation_checkpointing_policy, summary):
+            rank_zero_warn(warning)
         rank_zero_info(_memory_line(model, summary))
         skipping = parallelize.random_layer_skipping(model)
         if skipping and self.world_size > 1:
@@ -1240,6 +1251,15 @@ def _check_arguments(
     ):
         raise ValueError(
             f"{name}: reshard_after_forward={reshard_after_forward!r}: use True, False, an int >= 1 or 'auto'"
+        )
+    _, reshard, _ = _SHARDING[sharding_strategy]
+    if not reshard and isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        # These strategies keep the gathered parameters until backward: the k-way reshard would be dropped unseen.
+        raise ValueError(
+            f"{name}: reshard_after_forward={reshard_after_forward} (a {reshard_after_forward}-way shard kept after "
+            f"forward) conflicts with sharding_strategy={sharding_strategy!r}, which keeps the parameters gathered "
+            "between forward and backward; use sharding_strategy='FULL_SHARD' (or 'HYBRID_SHARD') with it, or leave "
+            "reshard_after_forward at its default"
         )
     if cpu_offload != "auto" and not isinstance(cpu_offload, bool):
         raise TypeError(f"{name}: cpu_offload={cpu_offload!r} must be True, False or 'auto'")

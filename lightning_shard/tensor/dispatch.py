@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -222,6 +223,22 @@ def _like(out: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(out, spec, requires_grad=False)
 
 
+#: Explanations of the mixing error that only a layer above this one can give (the tensor layer imports none of
+#: them): each takes the DTensor arguments' specs and returns a sentence, or "" when its context does not apply.
+#: ``lightning_shard.tp.loss`` registers one for the vocabulary-sharded logits inside ``loss_parallel()``.
+_MIXING_HINTS: list[Callable[[list[DTensorSpec]], str]] = []
+
+
+def register_mixing_hint(hint: Callable[[list[DTensorSpec]], str]) -> None:
+    """Add ``hint`` to the explanations tried when a plain tensor meets DTensor arguments (once per function)."""
+    if hint not in _MIXING_HINTS:
+        _MIXING_HINTS.append(hint)
+
+
+def _context_hint(specs: list[DTensorSpec]) -> str:
+    return next((text for text in (hint(specs) for hint in _MIXING_HINTS) if text), "")
+
+
 def _fsdp_hint(specs: list[DTensorSpec]) -> str:
     """For the mixing error: a DTensor sharded over a ``data_parallel`` mesh dim met by a plain activation is,
     in practice, a parameter that ``fully_shard`` never all-gathered because its module ran outside its unit."""
@@ -291,7 +308,7 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
-                    + (_optimizer_hint() or _fsdp_hint(specs))
+                    + (_optimizer_hint() or _fsdp_hint(specs) or _context_hint(specs))
                 )
             # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate. Under
             # implicit_replication() the caller promises the same of a larger plain tensor.

@@ -282,6 +282,24 @@ def loss_parallel() -> Iterator[None]:
             _SAVED.clear()
 
 
+def _sharded_logits_hint(specs) -> str:
+    """For the mixing error inside ``loss_parallel()``: the DTensor met is, in practice, the LM head's
+    vocabulary-sharded logits or a value computed from them (an ``argmax`` compared with plain labels, a
+    ``softmax`` against a plain target), which user code takes for a plain tensor."""
+    if not sharded_logits_wanted():
+        return ""
+    return (
+        ". Inside loss_parallel() (the strategy's loss_parallel=True runs the training, validation and test steps "
+        "in it) an LM head planned for loss parallelism returns its logits as a vocabulary-sharded DTensor, and "
+        "what is computed from them (argmax, softmax, topk, ...) is a DTensor too. Call .full_tensor() on that "
+        "value before mixing it with plain tensors (e.g. logits.argmax(-1).full_tensor() == labels), or run the "
+        "forward inside lightning_shard.tp.full_logits() to get plain, whole logits"
+    )
+
+
+_dispatch.register_mixing_hint(_sharded_logits_hint)
+
+
 def sharded_logits_wanted() -> bool:
     """True inside ``loss_parallel()`` and outside ``full_logits()``: where an LM head planned for loss parallelism
     (``lightning_shard.tp.loss_head.LossParallelHead``) keeps its logits vocabulary-sharded."""

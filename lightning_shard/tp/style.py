@@ -295,7 +295,9 @@ class RowwiseParallel(ParallelStyle):
         if isinstance(module, nn.Embedding):
             return {"weight": (Shard(0),)}
         out = {"weight": (Shard(0 if is_conv1d(module) else 1),)}
-        if module.bias is not None:
+        # getattr: tp_coverage asks before parallelize_module's _check has refused a module type without a bias
+        # (a norm, an activation), which then gets the ValueError naming the style and the module.
+        if getattr(module, "bias", None) is not None:
             out["bias"] = (Replicate(),)
         return out
 

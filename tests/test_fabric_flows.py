@@ -114,3 +114,43 @@ def test_contrastive_loss_over_all_gather_with_sync_grads_equals_one_process(tp)
         fabric.backward(_clip_loss(img_all, txt_all))
         opt.step()
     assert max_diff(full_state(model.module), _clip_reference(tp, data, 2)) < (1e-5 if tp == 1 else 5e-5)
+
+
+# ----------------------------------------------------------------------------- torchmetrics in a Fabric loop
+
+
+class _Counting(torch.nn.Module):
+    """A model holding a metric, as users keep one next to the layers it measures."""
+
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.net = _model(tp)
+        self.rows = torchmetrics.SumMetric()
+
+    def forward(self, x):
+        self.rows.update(torch.tensor(float(len(x))))
+        return self.net(x)
+
+
+@distributed(world_size=2)
+def test_torchmetrics_in_a_fabric_loop_under_tp_count_each_sample_once():
+    """TP 2: both ranks see the same batches; a metric over the world counted each of them twice."""
+    import torchmetrics
+
+    fabric = _fabric(tp=2)
+    model = fabric.setup_module(_Counting(tp=2))
+    own = torchmetrics.CatMetric()  # the user's own metric, outside any module
+    assert strategies.metrics.sync_metrics_over_data_parallel(own) == [""]
+    fed = torchmetrics.SumMetric(dist_sync_fn=strategies.metrics.gather_over_data_parallel)
+    batches = [_tokens(3, seed=s) for s in range(2)]  # one data-parallel replica: these are the global batches
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+            own.update(x[:, 0].float())
+            fed.update(torch.tensor(float(len(x))))
+    expected_rows = sum(len(x) for x in batches)
+    assert model.rows.compute().item() == expected_rows
+    assert fed.compute().item() == expected_rows
+    assert torch.equal(own.compute(), torch.cat([x[:, 0] for x in batches]).float())

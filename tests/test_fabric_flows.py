@@ -154,3 +154,272 @@ def test_torchmetrics_in_a_fabric_loop_under_tp_count_each_sample_once():
     assert model.rows.compute().item() == expected_rows
     assert fed.compute().item() == expected_rows
     assert torch.equal(own.compute(), torch.cat([x[:, 0] for x in batches]).float())
+
+
+# ----------------------------------------------------------------------------- two models
+
+
+def _distill_loss(student_logits, teacher_logits, y):
+    kl = F.kl_div(F.log_softmax(student_logits, -1), F.softmax(teacher_logits, -1), reduction="batchmean")
+    return kl + F.cross_entropy(student_logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _distill_data(steps: int):
+    return [(_tokens(4, 10 + 2 * s), _tokens(4, 11 + 2 * s)) for s in range(steps)]
+
+
+def _distill_reference(tp: int, steps: int) -> dict[str, torch.Tensor]:
+    teacher, student = _model(tp, seed=5).eval(), _model(tp, seed=0)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    for x, y in _distill_data(steps):
+        with torch.no_grad():
+            t = teacher(x)
+        opt.zero_grad()
+        _distill_loss(student(x).float(), t.float(), y).backward()
+        opt.step()
+    return full_state(student)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_distillation_frozen_teacher_and_student_equal_one_process(tp):
+    """A teacher set up without an optimizer, in eval mode under no_grad, next to a trained student."""
+    fabric = _fabric(tp)
+    dp_rank, dp = _dp(fabric)
+    teacher = fabric.setup_module(_model(tp, seed=5))
+    teacher.eval()
+    student = fabric.setup_module(_model(tp, seed=0))
+    opt = fabric.setup_optimizers(torch.optim.SGD(student.parameters(), lr=0.1))
+    for x, y in _distill_data(2):
+        x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+        with torch.no_grad():
+            t = teacher(x)
+        opt.zero_grad()
+        fabric.backward(_distill_loss(student(x).float(), t.float(), y))
+        opt.step()
+    assert max_diff(full_state(student.module), _distill_reference(tp, 2)) < (1e-5 if tp == 1 else 5e-5)
+    assert max_diff(full_state(teacher.module), full_state(_model(tp, seed=5))) == 0
+
+
+class _Generator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, z):
+        return self.down(torch.tanh(self.up(z)))
+
+
+class _Discriminator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.down(F.leaky_relu(self.up(x), 0.2))
+
+
+def _gan_data(steps: int):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
+
+
+def _gan_step(gen, disc, opt_g, opt_d, real, z, backward) -> None:
+    """One alternating step: the discriminator on real and detached fakes, then the generator through it."""
+    bce = F.binary_cross_entropy_with_logits
+    opt_d.zero_grad()
+    fake = gen(z)
+    d_real, d_fake = disc(real), disc(fake.detach())
+    backward(bce(d_real, torch.ones_like(d_real)) + bce(d_fake, torch.zeros_like(d_fake)))
+    opt_d.step()
+    opt_g.zero_grad()
+    d_fake = disc(fake)
+    backward(bce(d_fake, torch.ones_like(d_fake)))
+    opt_g.step()
+
+
+def _gan_models():
+    torch.manual_seed(0)
+    return _Generator(), _Discriminator()
+
+
+@distributed(world_size=2)
+def test_gan_two_models_two_optimizers_alternating_backward_equals_one_process():
+    gen, disc = _gan_models()
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=LR, betas=(0.5, 0.999)) for m in (gen, disc))
+    for real, z in _gan_data(3):
+        _gan_step(gen, disc, opt_g, opt_d, real, z, lambda loss: loss.backward())
+
+    fabric = _fabric()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g, d = _gan_models()
+    g, fopt_g = fabric.setup(g, torch.optim.Adam(g.parameters(), lr=LR, betas=(0.5, 0.999)))
+    d, fopt_d = fabric.setup(d, torch.optim.Adam(d.parameters(), lr=LR, betas=(0.5, 0.999)))
+    for real, z in _gan_data(3):
+        _gan_step(g, d, fopt_g, fopt_d, real.chunk(world)[rank], z.chunk(world)[rank], fabric.backward)
+    assert max_diff(full_state(g.module), full_state(gen)) < 1e-5
+    assert max_diff(full_state(d.module), full_state(disc)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- checkpoints with extra state
+
+
+class _Counter:
+    """A user object with ``state_dict`` / ``load_state_dict`` (Fabric's ``_Stateful``)."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@distributed(world_size=2)
+def test_save_load_extra_objects_partial_load_and_two_models(tmp_path, state_dict_type):
+    from tests.test_strategy_checkpoint import _shared_path
+
+    fabric = _fabric(strategy_kwargs={"state_dict_type": state_dict_type})
+    path = _shared_path(tmp_path, "ckpt")
+    model = fabric.setup_module(make_model(0))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    fabric.backward(model(_tokens(2, 0)).float().pow(2).mean())
+    opt.step()
+    extra = {"step": 3, "cfg": {"lr": LR, "names": ["a", "b"]}, "t": torch.arange(4.0), "counter": _Counter(7)}
+    fabric.save(path, {"model": model, "optimizer": opt, **extra})
+
+    # strict=False partial load: the model only; everything else comes back, the user object as its state dict.
+    fresh = fabric.setup_module(make_model(1))
+    rest = fabric.load(path, {"model": fresh}, strict=False)
+    assert max_diff(full_state(fresh.module), full_state(model.module)) == 0
+    # A full file returns the optimizer state not asked for; a directory returns meta.pt's entries (as Lightning's
+    # FSDPStrategy: the optimizer's tensors stay in the DCP files).
+    unasked = {"step", "cfg", "t", "counter"} | ({"optimizer"} if state_dict_type == "full" else set())
+    assert set(rest) == unasked
+    assert rest["step"] == 3 and rest["cfg"] == extra["cfg"] and torch.equal(rest["t"], extra["t"])
+    assert rest["counter"] == {"n": 7}
+
+    # Requested plain entries are filled in place, a user object through load_state_dict.
+    counter, state = _Counter(), {"model": fresh, "step": 0, "t": None, "counter": None}
+    state["counter"] = counter
+    rest = fabric.load(path, state, strict=False)
+    assert state["step"] == 3 and torch.equal(state["t"], extra["t"]) and counter.n == 7
+    assert "cfg" in rest and "step" not in rest
+
+    # A key the checkpoint lacks: strict raises naming it, strict=False leaves it as it was.
+    with pytest.raises(KeyError, match="missing"):
+        fabric.load(path, {"model": fresh, "missing": 1})
+    state = {"model": fresh, "missing": 1}
+    fabric.load(path, state, strict=False)
+    assert state["missing"] == 1
+
+    # Two set-up models in one checkpoint: refused on every rank, naming both keys (one model per checkpoint).
+    other = fabric.setup_module(make_model(2))
+    with pytest.raises(ValueError, match="exactly one model.*'a', 'b'"):
+        fabric.save(_shared_path(tmp_path, "two"), {"a": model, "b": other})
+
+
+# ----------------------------------------------------------------------------- dataloaders
+
+
+def _indices_seen(fabric, use_distributed_sampler: bool) -> list[list[int]]:
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(16)), batch_size=2, shuffle=True)
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=use_distributed_sampler)
+    return [batch.tolist() for batch in loader]
+
+
+def _check_split(fabric, use_distributed_sampler: bool) -> None:
+    """The ranks of a TP group see the same batches; the data-parallel replicas disjoint parts covering the data."""
+    mesh = fabric.strategy.device_mesh
+    seen = _indices_seen(fabric, use_distributed_sampler)
+    tp_peers = [None] * mesh.size("tensor_parallel")
+    dist.all_gather_object(tp_peers, seen, group=mesh.get_group("tensor_parallel"))
+    assert all(peer == seen for peer in tp_peers)
+    replicas = [None] * mesh.size("data_parallel")
+    dist.all_gather_object(replicas, seen, group=mesh.get_group("data_parallel"))
+    flat = [sorted(i for batch in r for i in batch) for r in replicas]
+    if use_distributed_sampler:
+        assert sorted(i for r in flat for i in r) == list(range(16))  # disjoint, all covered
+    else:
+        assert all(f == list(range(16)) for f in flat)  # the loader as given, on every rank
+
+
+@pytest.mark.parametrize("use_distributed_sampler", [True, False])
+@distributed(world_size=2)
+def test_setup_dataloaders_under_tp_same_batches_on_the_tp_group(use_distributed_sampler):
+    L.seed_everything(3)  # the shuffle of a user's own loader (no distributed sampler) is seeded the same on every rank
+    _check_split(_fabric(tp=2), use_distributed_sampler)
+
+
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_setup_dataloaders_on_dp2_x_tp2():
+    L.seed_everything(3)
+    for use_distributed_sampler in (True, False):
+        _check_split(_fabric(tp=2), use_distributed_sampler)
+
+
+# ----------------------------------------------------------------------------- precision, clipping, accumulation
+
+
+def _accumulation_reference(tp: int, data, bf16: bool, clip_val: float | None) -> dict[str, torch.Tensor]:
+    model = _model(tp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(0, len(data), 2):
+        opt.zero_grad()
+        for x, y in data[step : step + 2]:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)) / 2
+            loss.backward()
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_val)
+        opt.step()
+    return full_state(model)
+
+
+ACCUMULATION_CASES = [
+    (2, "32-true"),
+    (1, "bf16-mixed"),
+    pytest.param(1, "32-true", marks=pytest.mark.slow),
+    pytest.param(2, "bf16-mixed", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("tp", "precision"), ACCUMULATION_CASES)
+@distributed(world_size=2)
+def test_no_backward_sync_accumulation_with_autocast_and_clip_val(tp, precision):
+    """2 micro-batches per step under no_backward_sync, the loss under fabric.autocast(); fp32 also with
+    clip_gradients(clip_val=...) (binding on the largest gradients only). One process with torch.autocast."""
+    bf16 = precision == "bf16-mixed"
+    clip_val = None if bf16 else 0.05
+    fabric = _fabric(tp, precision=precision)
+    dp_rank, dp = _dp(fabric)
+    data = [(_tokens(4, 20 + 2 * s), _tokens(4, 21 + 2 * s)) for s in range(4)]
+    model = fabric.setup_module(_model(tp))
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(0, len(data), 2):
+        opt.zero_grad()
+        for k, (x, y) in enumerate(data[step : step + 2]):
+            x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+            with fabric.no_backward_sync(model, enabled=k == 0):
+                logits = model(x)
+                with fabric.autocast():
+                    loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)) / 2
+                fabric.backward(loss)
+        if clip_val is not None:
+            fabric.clip_gradients(model, opt, clip_val=clip_val)
+        opt.step()
+    ref = _accumulation_reference(tp, data, bf16, clip_val)
+    diff, change = max_diff(full_state(model.module), ref), max_diff(ref, full_state(_model(tp)))
+    if bf16:  # bf16 matmuls, and FSDP's bf16 parameters against autocast's fp32 ones: bf16 rounding (~0.4%)
+        assert diff < 0.01 * change, (diff, change)
+    else:
+        assert diff < (1e-5 if tp == 1 else 5e-5), (diff, change)

@@ -74,46 +74,59 @@ def test_collectives_count_each_data_parallel_replica_once(tp):
 # ----------------------------------------------------------------------------- contrastive loss over all_gather
 
 
-def _clip_loss(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
-    """CLIP's symmetric loss: every text of the batch is a negative for every other image."""
-    img, txt = F.normalize(img, dim=-1), F.normalize(txt, dim=-1)
-    logits = img @ txt.T / 0.1
-    labels = torch.arange(len(img))
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+def _nt_xent(img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+    """SimCLR's NT-Xent loss: each of the 2N embeddings against the other 2N - 1, its pair the positive. A copy of
+    an embedding among the others is a false negative as similar as the positive: the loss and its gradient change
+    (CLIP's image-text loss only shifts by log(copies) when every sample is repeated equally)."""
+    z = F.normalize(torch.cat([img, txt]), dim=-1)
+    sim = (z @ z.T / 0.1).masked_fill(torch.eye(len(z), dtype=torch.bool), float("-inf"))
+    n = len(img)
+    pairs = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return F.cross_entropy(sim, pairs)
 
 
 def _embed(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).float().mean(dim=1)
 
 
-def _clip_reference(tp: int, data, steps: int) -> dict[str, torch.Tensor]:
+def _contrastive_reference(tp: int, data) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = _model(tp)
     opt = torch.optim.SGD(model.parameters(), lr=LR * 10)
-    for img, txt in data[:steps]:
+    losses = []
+    for img, txt in data:
         opt.zero_grad()
-        _clip_loss(_embed(model, img), _embed(model, txt)).backward()
+        loss = _nt_xent(_embed(model, img), _embed(model, txt))
+        loss.backward()
         opt.step()
-    return full_state(model)
+        losses.append(loss.item())
+    return full_state(model), losses
+
+
+def _contrastive_data():
+    return [(_tokens(4, 2 * s), _tokens(4, 2 * s + 1)) for s in range(2)]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @distributed(world_size=2)
 def test_contrastive_loss_over_all_gather_with_sync_grads_equals_one_process(tp):
-    """Each replica embeds its part of the global batch; ``all_gather(sync_grads=True)`` builds the global
-    similarity matrix. Under TP 2 a gather over the world held every sample twice (duplicated negatives)."""
+    """Each replica embeds its part of the global batch; ``all_gather(sync_grads=True)`` gives the global batch's
+    embeddings. Under TP 2 a gather over the world held every sample twice: another loss and gradient."""
     fabric = _fabric(tp)
     dp_rank, dp = _dp(fabric)
-    data = [(_tokens(4, 2 * s), _tokens(4, 2 * s + 1)) for s in range(2)]
     model = fabric.setup_module(_model(tp))
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR * 10))
-    for img, txt in data:
+    losses = []
+    for img, txt in _contrastive_data():
         opt.zero_grad()
         local = [_embed(model, t.chunk(dp)[dp_rank]) for t in (img, txt)]
-        img_all, txt_all = (fabric.all_gather(e, sync_grads=True).flatten(0, 1) for e in local)
-        assert img_all.shape[0] == len(img)
-        fabric.backward(_clip_loss(img_all, txt_all))
+        loss = _nt_xent(*(fabric.all_gather(e, sync_grads=True).flatten(0, 1) for e in local))
+        fabric.backward(loss)
         opt.step()
-    assert max_diff(full_state(model.module), _clip_reference(tp, data, 2)) < (1e-5 if tp == 1 else 5e-5)
+        losses.append(loss.item())
+    ref, ref_losses = _contrastive_reference(tp, _contrastive_data())
+    tol = 1e-5 if tp == 1 else 5e-5
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < tol, (losses, ref_losses)
+    assert max_diff(full_state(model.module), ref) < tol
 
 
 # ----------------------------------------------------------------------------- torchmetrics in a Fabric loop
@@ -423,3 +436,42 @@ def test_no_backward_sync_accumulation_with_autocast_and_clip_val(tp, precision)
         assert diff < 0.01 * change, (diff, change)
     else:
         assert diff < (1e-5 if tp == 1 else 5e-5), (diff, change)
+
+
+# ----------------------------------------------------------------------------- LightningModule.all_gather
+
+
+class _LitContrastive(L.LightningModule):
+    """NT-Xent over ``self.all_gather(..., sync_grads=True)`` of each rank's embeddings."""
+
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.model = _model(tp)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = _nt_xent(*(self.all_gather(_embed(self.model, t), sync_grads=True).flatten(0, 1) for t in batch))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR * 10)
+
+
+@distributed(world_size=2)
+def test_lightning_module_all_gather_with_sync_grads_under_tp_equals_one_process():
+    """TP 2 (one data-parallel replica, which sees the global batch): the gathered batch is the global batch once."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_strategy import _trainer
+
+    data = _contrastive_data()
+    rows = TensorDataset(torch.cat([img for img, _ in data]), torch.cat([txt for _, txt in data]))
+    module = _LitContrastive(tp=2)
+    # Lightning's distributed sampler shuffles training data; the loader as given keeps the reference's order.
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=2)
+    trainer = _trainer(strategy=strategy, max_steps=2, use_distributed_sampler=False)
+    trainer.fit(module, DataLoader(rows, batch_size=4, shuffle=False))
+    ref, ref_losses = _contrastive_reference(2, data)
+    assert max(abs(a - b) for a, b in zip(module.losses, ref_losses)) < 5e-5, (module.losses, ref_losses)
+    assert max_diff(full_state(module.model), ref) < 5e-5

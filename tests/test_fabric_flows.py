@@ -475,3 +475,39 @@ def test_lightning_module_all_gather_with_sync_grads_under_tp_equals_one_process
     ref, ref_losses = _contrastive_reference(2, data)
     assert max(abs(a - b) for a, b in zip(module.losses, ref_losses)) < 5e-5, (module.losses, ref_losses)
     assert max_diff(full_state(module.model), ref) < 5e-5
+
+
+# ----------------------------------------------------------------------------- init_module with two models
+
+
+def _one_device_meta_init(n_models: int) -> list[dict[str, torch.Tensor]]:
+    """One device, the materialization's procedure: each model's reset_parameters() in turn, one generator."""
+    from tests.fsdp_models import TinyGPT
+
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        models = [TinyGPT() for _ in range(n_models)]
+    for model in models:
+        model.to_empty(device="cpu")
+        model.head.weight = model.embed.weight  # to_empty unties on one device; the sharded model keeps it
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+    return [full_state(m) for m in models]
+
+
+@distributed(world_size=2)
+def test_two_models_under_empty_init_are_initialised_like_one_device():
+    """Two models of one class built under init_module(empty_init=True), e.g. twin critics: each is set up with
+    the generator where the previous one left it, as on one device (both had the same values)."""
+    from tests.fsdp_models import TinyGPT
+
+    fabric = _fabric()
+    torch.manual_seed(3)
+    with fabric.init_module(empty_init=True):
+        first, second = TinyGPT(), TinyGPT()
+    first, second = fabric.setup_module(first), fabric.setup_module(second)
+    ref_first, ref_second = _one_device_meta_init(2)
+    assert max_diff(full_state(first.module), ref_first) == 0
+    assert max_diff(full_state(second.module), ref_second) == 0

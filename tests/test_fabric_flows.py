@@ -1,5 +1,18 @@
-"""Fabric flows and user-called collectives through ``Fabric(strategy="shard_fsdp_tp")`` (2 gloo ranks: FSDP 2,
-and TP 2 on a Llama), each compared with one process on the same global data."""
+"""Fabric flows and user-called collectives through ``Fabric(strategy="shard_fsdp_tp")`` (2 gloo ranks: FSDP 2 on
+TinyGPT, and TP 2 on a Llama), each compared with one process on the same global data:
+
+* ``fabric.all_gather`` / ``all_reduce`` / ``broadcast`` / ``barrier`` / ``reduce_boolean_decision`` under TP: the
+  default group counts each data-parallel replica once (a sum over the world counted it twice under TP 2, a gather
+  held each sample twice); an NT-Xent loss over ``all_gather(sync_grads=True)`` (Fabric, and
+  ``LightningModule.all_gather`` through the Trainer) equals one process in loss and parameters;
+* torchmetrics in a Fabric loop under TP (a metric inside the set-up module, and the user's own);
+* ``setup_dataloaders`` under TP (with and without the distributed sampler; 2 x 2 is ``slow``);
+* two models: a frozen teacher and a student, a GAN with two optimizers, two models under one
+  ``init_module(empty_init=True)`` (they were initialised identically);
+* ``fabric.save`` / ``fabric.load`` with plain objects, a tensor and a user object, ``strict=False`` partial loads and
+  the returned entries, and the clear error for two models in one checkpoint;
+* ``no_backward_sync`` accumulation with ``fabric.autocast()`` (bf16-mixed) and ``clip_gradients(clip_val=...)``.
+"""
 
 from __future__ import annotations
 
@@ -193,6 +206,7 @@ def _distill_reference(tp: int, steps: int) -> dict[str, torch.Tensor]:
     return full_state(student)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @distributed(world_size=2)
 def test_distillation_frozen_teacher_and_student_equal_one_process(tp):
@@ -258,6 +272,7 @@ def _gan_models():
     return _Generator(), _Discriminator()
 
 
+@pytest.mark.slow
 @distributed(world_size=2)
 def test_gan_two_models_two_optimizers_alternating_backward_equals_one_process():
     gen, disc = _gan_models()
@@ -292,7 +307,7 @@ class _Counter:
         self.n = state["n"]
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
 @distributed(world_size=2)
 def test_save_load_extra_objects_partial_load_and_two_models(tmp_path, state_dict_type):
     from tests.test_strategy_checkpoint import _shared_path
@@ -364,7 +379,7 @@ def _check_split(fabric, use_distributed_sampler: bool) -> None:
         assert all(f == list(range(16)) for f in flat)  # the loader as given, on every rank
 
 
-@pytest.mark.parametrize("use_distributed_sampler", [True, False])
+@pytest.mark.parametrize("use_distributed_sampler", [True, pytest.param(False, marks=pytest.mark.slow)])
 @distributed(world_size=2)
 def test_setup_dataloaders_under_tp_same_batches_on_the_tp_group(use_distributed_sampler):
     L.seed_everything(3)  # the shuffle of a user's own loader (no distributed sampler) is seeded the same on every rank

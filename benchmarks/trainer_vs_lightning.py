@@ -238,7 +238,10 @@ def _callback(args, out: str):
             step = statistics.median(self.times[args.warmup :])
             cpu = statistics.median(self.cpu_times[args.warmup :])
             mine = torch.tensor([step, peak, _peak_rss_mb(), cpu], dtype=torch.float64, device=pl_module.device)
-            every = trainer.strategy.all_gather(mine).reshape(-1, 4).cpu()
+            # Every rank's figures, TP ranks included (our strategy's all_gather keeps one per data-parallel replica).
+            every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every, mine)
+            every = torch.stack(every).cpu()
             if trainer.global_rank == 0:
                 result = {
                     "step_s": float(every[:, 0].max()),

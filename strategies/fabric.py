@@ -64,9 +64,10 @@ from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
-from strategies import loading, nodes, parallelize
+from strategies import collectives, loading, nodes, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
 from strategies.input_checks import check_first_forwards, check_initialised_at_first_forward
+from strategies.metrics import set_data_parallel_group, sync_metrics_over_data_parallel
 from strategies.peft_adapters import wrap_peft_methods
 from strategies.strategy import (
     META_FILE,
@@ -220,6 +221,10 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             )
             engine._tensor_parallel_size = 1
         engine._device_mesh = engine._build_mesh()
+        tp = engine._device_mesh.size("tensor_parallel")
+        # torchmetrics metrics synchronised by gather_over_data_parallel (those of a set-up module, or the user's
+        # own via sync_metrics_over_data_parallel) gather over this mesh's data-parallel ranks; None: the world.
+        set_data_parallel_group(engine._device_mesh.get_group("data_parallel") if tp > 1 else None)
         # The engine's one-time loads before the model exists, as in the Trainer strategy (docs/strategy.md).
         warm_kernels(self.root_device)
         load_rules()
@@ -254,6 +259,8 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             self.engine._parallelize(module)
             unset, self.engine._unset_after_materialize = self.engine._unset_after_materialize, None
         wrap_peft_methods(module)
+        if self.engine.device_mesh.size("tensor_parallel") > 1:  # its metrics count each TP group's batch once
+            sync_metrics_over_data_parallel(module)
         check_first_forwards(module, self.engine.device_mesh)  # the ranks of a TP group must see the same inputs
         if unset is not None:  # a checkpoint loaded before the first forward may still fill them
             check_initialised_at_first_forward(module, unset)
@@ -323,9 +330,24 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"):
+        """``fabric.all_reduce``: under tensor parallelism a sum over the default group counts each data-parallel
+        replica once (the Trainer strategy's ``reduce``; ``strategies.collectives``)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return collectives.reduce_over_data_parallel(tensor, self.engine._device_mesh, group, reduce_op)
         return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``fabric.all_gather``: under tensor parallelism, over the default group, each data-parallel replica's
+        tensor once, ``(data_parallel_size, ...)`` (``strategies.collectives``)."""
+        return collectives.all_gather_over_data_parallel(tensor, self.engine._device_mesh, group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank, not
+        ``all_reduce``'s data-parallel sum."""
+        if not _distributed_is_initialized():
+            return decision
+        count = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(count == self.world_size) if all else bool(count)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self.engine.barrier()

@@ -286,8 +286,9 @@ def materialize(model: nn.Module, device: torch.device) -> list[str] | None:
     Each module's ``reset_parameters()`` runs on its (sharded) parameters; our DTensor random ops produce
     exactly the values one device would, so every rank allocates only its shards. All ranks start from rank
     0's RNG states, of the CPU generator and of ``device``'s (``reset_parameters`` of parameters on the
-    accelerator draws from its generator), so replicated values agree; each rank's own states are restored
-    afterwards. Tensors that were not on meta keep their values (``to_empty`` alone would replace them).
+    accelerator draws from its generator), so replicated values agree; afterwards the generators are where one
+    device's would be (``_restore_or_advance``). Tensors that were not on meta keep their values (``to_empty``
+    alone would replace them).
 
     A meta tensor that no ``reset_parameters()`` writes (a module without one, such as an RMSNorm holding
     ``nn.Parameter(torch.ones(d))``, or a buffer computed in ``__init__``) has no value: it is filled with a
@@ -360,9 +361,22 @@ def _reset_parameters_from_rank_0(model: nn.Module, device: torch.device, fresh:
                 _hugging_face_initialize(hf_model, fresh)
             _peft_lora_initialize(model, fresh)  # after transformers', which also reaches the adapters' Linears
     finally:
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            handle.set_rng_state(states[1])
+        _restore_or_advance(states, synced, handle)
+
+
+def _restore_or_advance(own: list, synced: list, handle) -> None:
+    """After the init from rank 0's RNG states: a rank whose states were rank 0's keeps the advanced states, as one
+    device would (a second model materialised next, e.g. two critics under ``empty_init=True``, then gets other
+    values than the first instead of the same ones); a rank with states of its own (seeded per rank) gets them back.
+    """
+    same = all(
+        a is None and b is None or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(own, synced)
+    )
+    if same:
+        return
+    torch.set_rng_state(own[0])
+    if own[1] is not None:
+        handle.set_rng_state(own[1])
 
 
 @contextmanager

@@ -64,7 +64,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, batch_counts, finetuning, loading, nodes, parallelize, requeue, unsupported
+from strategies import auto, batch_counts, collectives, finetuning, loading, nodes, parallelize, requeue, unsupported
 from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
@@ -936,27 +936,17 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
         """Lightning's reduction over all ranks (``self.log(..., sync_dist=True)``, ``reduce_fx``), with one
-        difference under tensor parallelism: a sum over the default group counts each data-parallel replica once.
-
-        The ranks of one TP group train on the same batch, so a value computed from it (a loss, a sample or
-        token count) is the same on each of them; summed over all ranks it would count that batch
-        ``tensor_parallel_size`` times (``reduce_fx="sum"`` logging 2x the samples seen under TP 2). The
-        world sum is divided by the TP size: the sum over the data-parallel ranks, exactly, when the TP ranks
-        agree, and their mean otherwise (the same value on every rank either way). Means, max and min need no
-        change; an explicit ``group`` is reduced as given.
+        difference under tensor parallelism: a sum over the default group counts each data-parallel replica once
+        (``strategies.collectives``: the world sum divided by the TP size). Means, max and min need no change; an
+        explicit ``group`` is reduced as given.
         """
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if isinstance(tensor, DTensor):  # a loss under loss_parallel: its value on this rank, whole (a partial sum
             tensor = _replicated_local(tensor.detach())  # with label smoothing), as a plain tensor for c10d
-        out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        tp = self._device_mesh.size("tensor_parallel") if self._device_mesh is not None else 1
-        if group is None and tp > 1 and _is_sum(reduce_op) and _distributed_is_initialized():
-            if out.is_floating_point() or out.is_complex():
-                out.div_(tp)
-            else:
-                out.copy_(torch.div(out, tp, rounding_mode="floor"))
-        return out
+        if group is not None:  # only None is Lightning's default here (self.log's sync_dist_group)
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return collectives.reduce_over_data_parallel(tensor, self._device_mesh, None, reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank,
@@ -967,9 +957,10 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return bool(count == self.world_size) if all else bool(count)
 
     def all_gather(self, tensor: torch.Tensor, group=None, sync_grads: bool = False) -> torch.Tensor:
-        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
-
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        """``LightningModule.all_gather``: under tensor parallelism, over the default group, each data-parallel
+        replica's tensor once (``(data_parallel_size, ...)``, ``strategies.collectives``); a gather over the
+        world would repeat each TP group's batch ``tensor_parallel_size`` times."""
+        return collectives.all_gather_over_data_parallel(tensor, self._device_mesh, group, sync_grads)
 
     def teardown(self) -> None:
         self.cluster_environment.teardown()
@@ -1134,13 +1125,6 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 def _top_level_entries(keys: set[str]) -> set[str]:
     """The top-level names ("state_dict", "optimizer_0", ...) among a sharded checkpoint's ``loading.saved_keys``."""
     return {key.split(".", 1)[0] for key in keys}
-
-
-def _is_sum(reduce_op) -> bool:
-    """Whether a Lightning ``reduce_op`` (a string such as ``"sum"``, or a ``ReduceOp``) is a sum."""
-    if isinstance(reduce_op, str):
-        return reduce_op.lower() == "sum"
-    return reduce_op == torch.distributed.ReduceOp.SUM
 
 
 def _check_choice(name: str, value, allowed) -> None:

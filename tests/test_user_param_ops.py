@@ -319,6 +319,7 @@ def _decay_groups(model) -> list[list[tuple[str, tuple[int, ...]]]]:
 @distributed(world_size=2)
 def test_weight_decay_groups_from_names_and_shapes_match_one_process(kind):
     assert _decay_groups(_net(kind)) == _decay_groups(_net(None))
+    assert list(_net(kind).state_dict()) == list(_net(None).state_dict())  # the same keys, in the same order
 
 
 # ----------------------------------------------------------------------------- through the Trainer

@@ -279,7 +279,35 @@ def _standardise(p):
     p.copy_((p - p.mean(dim=1, keepdim=True)) / (p.std(dim=1, keepdim=True) + 1e-5))
 
 
+def _data_init(m):
+    """The pre-``transformers.initialization`` style: ``.data.normal_`` / ``fill_`` / ``zero_`` by module type."""
+    for module in m.modules():
+        if isinstance(module, (nn.Linear, nn.LayerNorm)):
+            module.weight.data.normal_(0.0, 0.02) if isinstance(module, nn.Linear) else module.weight.data.fill_(1.0)
+            module.bias.data.zero_()
+    return torch.zeros(1)
+
+
+def _global_magnitude_pruning(m):
+    """One threshold over every parameter (under TP a cat of both meshes' parameters), then masks in place."""
+    weights = list(m.parameters())
+    magnitudes = torch.cat([p.detach().abs().flatten() for p in weights])
+    threshold = magnitudes.kthvalue(magnitudes.numel() // 2).values
+    with torch.no_grad():
+        for p in weights:
+            p.mul_(p.abs() >= threshold)
+    return threshold
+
+
+def _load_own_state_dict(m):
+    m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})  # DTensor values: loads
+    return torch.zeros(1)
+
+
 WEIGHT_OPS = {
+    ".data init by module type": _data_init,
+    "global magnitude pruning": _global_magnitude_pruning,
+    "load_state_dict of its own state_dict": _load_own_state_dict,
     "clamp_ (WGAN)": _in_place_on_grads(lambda p: p.data.clamp_(-0.05, 0.05)),
     "weight standardisation": _in_place_on_grads(lambda p: _standardise(p) if p.ndim == 2 else None),
     "renorm_ max-norm rows": _in_place_on_grads(lambda p: p.renorm_(2, 0, 0.5) if p.ndim == 2 else None),

@@ -335,12 +335,18 @@ def test_weight_space_ops_match_one_process(kind):
 # ----------------------------------------------------------------------------- optimizer groups
 
 
-def _decay_groups(model) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """The usual split: no weight decay for biases, norms and 1-dim tensors."""
+def _decay_groups(model) -> list[list]:
+    """The usual splits: no weight decay for biases, norms and 1-dim tensors, by name and ``ndim``; and
+    nanoGPT's, by module type over ``named_modules()`` (sharded modules are subclasses of their class)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "bias" in name or "norm" in name else decay).append((name, tuple(p.shape)))
-    return [decay, no_decay]
+    by_type = []
+    for module_name, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            decays = name == "weight" and isinstance(module, (nn.Linear, nn.Conv1d))
+            by_type.append((f"{module_name}.{name}".lstrip("."), decays))
+    return [decay, no_decay, sorted(by_type)]
 
 
 @pytest.mark.parametrize("kind", MESHES)

@@ -369,7 +369,8 @@ def _clipping_flow():
             super().on_before_optimizer_step(optimizer)
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             self.user_norms.append(float(sum(g.norm() ** 2 for g in grads) ** 0.5))
-            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
+            total = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)  # a DTensor under the strategy
+            self.log("clipped_from", total, sync_dist=True)
 
         def on_fit_start(self):
             self.user_norms = []
@@ -390,9 +391,13 @@ def test_user_clipping_under_a_partial_tp_plan_trains_like_one_process():
     plan["model.layers.*.feed_forward.down_proj"] = RowwiseParallel()
     module = _clipping_flow()
     ours = module("llama")
-    _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, tp_plan=plan), max_steps=3).fit(ours)
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, tp_plan=plan), max_steps=3)
+    trainer.fit(ours)
     ref = module("llama", mirrors=1)
-    _single_trainer(max_steps=3, **ONE_PROCESS).fit(ref)
+    ref_trainer = _single_trainer(max_steps=3, **ONE_PROCESS)
+    ref_trainer.fit(ref)
+    logged, ref_logged = trainer.callback_metrics["clipped_from"], ref_trainer.callback_metrics["clipped_from"]
+    torch.testing.assert_close(_full(logged), ref_logged, rtol=5e-5, atol=5e-5)
     assert len(ours.user_norms) == 3 and min(ours.user_norms) > 0.5  # clipping was active at every step
     torch.testing.assert_close(torch.tensor(ours.user_norms), torch.tensor(ref.user_norms), rtol=5e-5, atol=5e-5)
     assert _worst(full_params(ours).values(), full_params(ref).values()) < TOL["tp"]

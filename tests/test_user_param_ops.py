@@ -222,6 +222,10 @@ GRADIENT_OPS = {
     "clip_grad_norm_ error_if_nonfinite": _clip_norm(2.0, None, error_if_nonfinite=True),
     "clip_grad_value_": lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01) or torch.zeros(1),
     "get_total_norm": lambda m: torch.nn.utils.get_total_norm(_grads(m)),
+    "clip_grads_with_norm_": lambda m: (
+        torch.nn.utils.clip_grads_with_norm_(_grads(m), 0.05, torch.nn.utils.get_total_norm(_grads(m), 1.0))
+        or torch.zeros(1)
+    ),
     "user sum of squared norms": lambda m: sum(g.norm() ** 2 for g in _grads(m)).sqrt(),
     "user stacked norms": lambda m: torch.stack([g.norm() for g in _grads(m)]).norm(),
     "parameters_to_vector of grads": lambda m: torch.nn.utils.parameters_to_vector(_grads(m)),

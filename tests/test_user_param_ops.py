@@ -250,6 +250,9 @@ def test_gradient_ops_in_user_hooks_match_one_process(kind):
         ours.a.weight.grad.to_local()[0, 0] = math.inf
     with pytest.raises(RuntimeError, match="non-finite"):
         torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0, error_if_nonfinite=True)
+    grad = ours.a.weight.grad  # gradient noise from the global shape: each rank would add a whole tensor
+    with pytest.raises(RuntimeError, match=r"global shape of a sharded DTensor.*torch\.randn_like"):
+        grad.add_(torch.randn(grad.shape))
 
 
 @distributed(world_size=2)

@@ -260,6 +260,23 @@ def _full_copy_hint(func, flat: list, plain: torch.Tensor) -> str:
     )
 
 
+def _global_shape_hint(flat: list, positions: list[int], plain: torch.Tensor) -> str:
+    """For the mixing error with a plain tensor of the global shape of a sharded DTensor argument: it was built
+    from that shape (``p.grad += torch.randn(p.shape) * s`` for gradient noise, ``torch.zeros(p.shape)``), so
+    every rank holds a whole tensor where the DTensor holds a part. The fully_shard hint would blame a forward."""
+    sharded = [
+        flat[i] for i in positions if flat[i].shape == plain.shape and flat[i]._local_tensor.shape != plain.shape
+    ]
+    if not sharded:
+        return ""
+    return (
+        ". Its shape is the global shape of a sharded DTensor argument: build it from the DTensor instead "
+        "(torch.randn_like(x), torch.zeros_like(x), x.new_full(...)), which gives each rank its part (random "
+        "ones drawn as one device draws them), or distribute a full value with distribute_tensor(value, "
+        "x.device_mesh, x.placements)"
+    )
+
+
 def _optimizer_hint() -> str:
     """For the mixing error raised inside an optimizer's ``step()``: name the optimizer and the fix. The plain
     tensor there is the optimizer's own (state built with ``torch.zeros(p.shape)``, as transformers' Adafactor
@@ -311,7 +328,12 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
-                    + (_full_copy_hint(func, flat, a) or _optimizer_hint() or _fsdp_hint(specs))
+                    + (
+                        _full_copy_hint(func, flat, a)
+                        or _optimizer_hint()
+                        or _global_shape_hint(flat, positions, a)
+                        or _fsdp_hint(specs)
+                    )
                 )
             # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate. Under
             # implicit_replication() the caller promises the same of a larger plain tensor.

@@ -464,8 +464,15 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``, the class a sharded module takes. It keeps ``cls``'s ``__module__``: code that decides by a
+    class's module reads it from the sharded module too. transformers' ``is_custom_code()`` is
+    ``not cls.__module__.startswith("transformers.")``; with this module's name a sharded Hugging Face model
+    counted as remote code, and ``post_init()`` / ``init_weights()`` after ``fully_shard`` skipped every module
+    without parameters of its own (GPT-2's ``GPT2MLP`` and ``GPT2Attention``, whose scaled ``c_proj``
+    initialisation then kept twice the standard deviation of one process's, with no error). torch's FSDP2 names
+    its own module there."""
     if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     return _FSDP_CLASSES[cls]
 
 

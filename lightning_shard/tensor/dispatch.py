@@ -38,6 +38,7 @@ from lightning_shard.tensor._decisions import (
     decision_key,
     dispatch_cache_info,
 )
+from lightning_shard.tensor._submesh import align_meshes, target_mesh
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
 from lightning_shard.tensor.implicit import implicit_replication_enabled
@@ -260,6 +261,39 @@ def _fsdp_hint(specs: list[DTensorSpec]) -> str:
     return ""
 
 
+def _full_copy_hint(func, flat: list, plain: torch.Tensor) -> str:
+    """For the mixing error of ``dtensor.copy_(plain)`` with the plain tensor of the DTensor's global shape: a
+    full value written into a sharded parameter (``p.data.copy_(full)``, or ``module.load_state_dict(full_sd)``
+    on a sharded model, which copies each value in). Each rank could hold a different ``plain``, so it is not
+    taken as replicated; name the calls that say so."""
+    if func is not torch.ops.aten.copy_.default or not isinstance(flat[0], DTensor) or plain.shape != flat[0].shape:
+        return ""
+    return (
+        ". This copies a full (unsharded) tensor into a DTensor (p.copy_(full), or module.load_state_dict() of a "
+        "full state dict on a sharded model). Distribute the value first: p.copy_(distribute_tensor(full, "
+        "p.device_mesh, p.placements)); for a whole state dict call "
+        "lightning_shard.checkpoint.set_model_state_dict(model, state_dict) on every rank (full tensors are "
+        "cut to each shard; keys, shapes and dtypes checked before anything is written)"
+    )
+
+
+def _global_shape_hint(flat: list, positions: list[int], plain: torch.Tensor) -> str:
+    """For the mixing error with a plain tensor of the global shape of a sharded DTensor argument: it was built
+    from that shape (``p.grad += torch.randn(p.shape) * s`` for gradient noise, ``torch.zeros(p.shape)``), so
+    every rank holds a whole tensor where the DTensor holds a part. The fully_shard hint would blame a forward."""
+    sharded = [
+        flat[i] for i in positions if flat[i].shape == plain.shape and flat[i]._local_tensor.shape != plain.shape
+    ]
+    if not sharded:
+        return ""
+    return (
+        ". Its shape is the global shape of a sharded DTensor argument: build it from the DTensor instead "
+        "(torch.randn_like(x), torch.zeros_like(x), x.new_full(...)), which gives each rank its part (random "
+        "ones drawn as one device draws them), or distribute a full value with distribute_tensor(value, "
+        "x.device_mesh, x.placements)"
+    )
+
+
 def _optimizer_hint() -> str:
     """For the mixing error raised inside an optimizer's ``step()``: name the optimizer and the fix. The plain
     tensor there is the optimizer's own (state built with ``torch.zeros(p.shape)``, as transformers' Adafactor
@@ -294,13 +328,16 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
     positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
     specs = [flat[i]._spec for i in positions]
     mesh = specs[0].mesh
-    for s in specs[1:]:
-        if s.mesh != mesh:
+    promoted = False
+    if any(s.mesh != mesh for s in specs[1:]):
+        mesh = target_mesh([s.mesh for s in specs], is_inplace(func))
+        if not align_meshes(flat, positions, mesh):  # a sub-mesh and a mesh containing it (FSDP over TP)
+            other = next(s.mesh for s in specs if s.mesh != mesh)
             raise RuntimeError(
-                f"{func}: DTensor arguments live on different meshes ({mesh} and {s.mesh}); "
+                f"{func}: DTensor arguments live on different meshes ({mesh} and {other}); "
                 "redistribute them onto one mesh first" + _fsdp_hint(specs)
             )
-    promoted = False
+        promoted = True
     for i, a in enumerate(flat):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
             if a.numel() != 1 and not implicit_replication_enabled():
@@ -308,7 +345,13 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
-                    + (_optimizer_hint() or _fsdp_hint(specs) or _context_hint(specs))
+                    + (
+                        _full_copy_hint(func, flat, a)
+                        or _optimizer_hint()
+                        or _global_shape_hint(flat, positions, a)
+                        or _fsdp_hint(specs)
+                        or _context_hint(specs)
+                    )
                 )
             # One element: a scalar-like operand every rank holds (as torch's DTensor takes it): Replicate. Under
             # implicit_replication() the caller promises the same of a larger plain tensor.

@@ -106,19 +106,20 @@ class DTensor(torch.Tensor):
         """``x.data = value`` on a plain tensor swaps its storage. On a DTensor that would swap only the
         wrapper while the local shard, which every op and FSDP's all-gather read, stayed: the assignment was
         silently lost. A DTensor of the same shape, dtype and mesh is redistributed to this one's placements and
-        copied into the local shard (same values; ``x`` does not alias ``value`` afterwards:
+        copied into the local shard (also one on a sub-mesh of this one's mesh or on a mesh containing it, as
+        ``_submesh.py`` aligns op arguments; same values; ``x`` does not alias ``value`` afterwards:
         ``torch.nn.utils.vector_to_parameters`` assigns replicated slices to sharded parameters this way);
         anything else raises, naming the way that works."""
-        if (
-            isinstance(value, DTensor)
-            and value._spec.mesh == self._spec.mesh
-            and value.shape == self.shape
-            and value.dtype == self.dtype
-        ):
+        from lightning_shard.tensor._submesh import on_mesh  # _submesh builds DTensors: imported when used
+
+        same = isinstance(value, DTensor) and value.shape == self.shape and value.dtype == self.dtype
+        # A value on a sub-mesh of this one's mesh or on a mesh containing it (FSDP over TP, see _submesh.py)
+        aligned = on_mesh(value, self._spec.mesh) if same else None
+        if aligned is not None:
             with torch.no_grad():
-                if value.placements != self.placements:
-                    value = value.redistribute(self._spec.mesh, self.placements)
-                self._local_tensor.copy_(value._local_tensor)
+                if aligned.placements != self.placements:
+                    aligned = aligned.redistribute(self._spec.mesh, self.placements)
+                self._local_tensor.copy_(aligned._local_tensor)
             return
         got = (
             f"a DTensor {tuple(value.shape)} {value.dtype} {value.placements}"

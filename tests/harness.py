@@ -96,11 +96,25 @@ def _resolve(module: str, name: str) -> Callable:
     return getattr(obj, "__wrapped__", obj)
 
 
+@contextlib.contextmanager
+def _environment_restored():
+    """Undo a test body's changes to ``os.environ`` when it ends, as its own process would: e.g.
+    ``seed_everything(3)`` sets ``PL_GLOBAL_SEED``, which seeds the shuffle of every later Trainer's distributed
+    sampler in the same worker."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if os.environ != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
 def _run_task(rank: int, task: tuple) -> _Result:
     module, name, args, kwargs = task
     out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), _environment_restored():
             _resolve(module, name)(*args, **kwargs)
         return _Result(rank, True, output=out.getvalue())
     except BaseException:  # noqa: BLE001 - every failure, including pytest's, goes back to the parent

@@ -48,6 +48,27 @@ def test_hang_times_out_with_clear_message():
     run_distributed(_sum_of_ranks, 2, 1.0)
 
 
+def _seed_everything_and_set_a_variable():
+    import lightning as L
+
+    L.seed_everything(3)
+    os.environ["LIGHTNING_SHARD_TEST_LEAK"] = "1"
+
+
+def _environment_is_the_workers(pid_path):
+    assert "PL_GLOBAL_SEED" not in os.environ and "LIGHTNING_SHARD_TEST_LEAK" not in os.environ
+    _pid_file(pid_path)
+
+
+def test_a_test_bodys_environment_changes_end_with_it(tmp_path):
+    # seed_everything's PL_GLOBAL_SEED would otherwise seed every later Trainer's distributed sampler in the worker
+    run_distributed(_pid_file, 1, tmp_path / "pids")
+    run_distributed(_seed_everything_and_set_a_variable, 1)
+    run_distributed(_environment_is_the_workers, 1, tmp_path / "pids")
+    pids = (tmp_path / "pids.0").read_text().split()
+    assert len(pids) == 2 and pids[0] == pids[1]  # the same worker process
+
+
 def test_workers_are_reused_between_tests(tmp_path):
     run_distributed(_pid_file, 2, tmp_path / "pids")
     run_distributed(_pid_file, 2, tmp_path / "pids")

@@ -61,8 +61,9 @@ def check_forward_parameters(unit: str, group: FSDPParamGroup | None) -> None:
             if registered is None or (registered is not fp.sharded and registered is not fp.unsharded):
                 raise RuntimeError(
                     f"fully_shard unit {unit}: parameter {fp.fqn!r} was replaced or removed on its module "
-                    "(torch.func.functional_call, nn.utils.stateless, a parametrization or torch.nn.utils.prune "
-                    f"applied after fully_shard, or an assignment; found {_describe(registered)}). The unit would "
+                    "(torch.func.functional_call, nn.utils.stateless, a parametrization registered after fully_shard, "
+                    "torch.nn.utils.prune applied after fully_shard, or an assignment; found "
+                    f"{_describe(registered)}). The unit would "
                     "all-gather and register its own values over it, so functional_call over a fully_shard-ed module "
                     f"is not supported, and parametrizations and pruning must be applied before fully_shard. {_FIX}"
                 )

@@ -1,6 +1,6 @@
 """What cannot work on a sharded model, refused with an error naming the fix (on every rank, before any
-collective could hang): Lightning callbacks that deep-copy the unsharded model, and the LightningModule's
-export methods.
+collective could hang): Lightning callbacks that deep-copy the unsharded model or rename its parameters, and
+the LightningModule's export methods.
 
 Example: ``refuse_callbacks(lightning_module)`` in ``setup_environment``; ``refuse_exports(lightning_module)``
 once the strategy has sharded it.
@@ -24,8 +24,13 @@ def refuse_callbacks(module: nn.Module) -> None:
     LightningModule made before the strategy shards it (the whole model on every rank) and average it with the
     sharded parameters, which mixes full tensors with shards (``WeightAveraging`` would stop at the first
     update with a DTensor mixing error naming neither the callback nor the fix).
+
+    ``ModelPruning`` prunes at an epoch's end, after sharding: ``torch.nn.utils.prune`` moves each pruned
+    parameter to ``<name>_orig`` and turns ``<name>`` into a plain attribute, so the FSDP unit's next forward no
+    longer finds the parameter it shards (and the lottery-ticket reset assigns full tensors to the shards'
+    ``.data``). Both stopped the run after a whole epoch of training, naming neither the callback nor the fix.
     """
-    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 
     trainer = getattr(module, "_trainer", None)
     for callback in getattr(trainer, "callbacks", None) or []:
@@ -45,6 +50,18 @@ def refuse_callbacks(module: nn.Module) -> None:
                 "your LightningModule's __init__ (a submodule: the strategy shards it like the model), call its "
                 "update_parameters(self.model) in on_train_batch_end, and optimize self.model.parameters() only"
             )
+        if isinstance(callback, ModelPruning):
+            raise ValueError(_PRUNING)
+
+
+_PRUNING = (
+    "shard_fsdp_tp: the ModelPruning callback does not support sharded models (it prunes after the strategy "
+    "sharded the model, renaming each pruned parameter to '<name>_orig', which the FSDP units no longer find); "
+    "remove it. Prune before sharding instead: torch.nn.utils.prune in your LightningModule's __init__ or "
+    "configure_model, e.g. prune.l1_unstructured(module, 'weight', amount=0.5) (the strategy then shards "
+    "'<name>_orig', and prune's hook applies '<name>_mask' in every forward); or prune an unsharded copy loaded "
+    "with load_from_checkpoint in one process"
+)
 
 
 def refuse_exports(module: nn.Module) -> None:

@@ -4,11 +4,14 @@
   for one call. The unit's all-gather then registered its own unsharded parameters over them: the forward ran
   with the model's weights, not the caller's, and returned a wrong result with no error (2.3 off in a test).
   A parametrization registered after ``fully_shard`` moves the parameter away from its name: the same check.
+* ``torch.export.export`` traces the forward with fake parameters registered over the unit's own (the same
+  replaced-parameter error, naming neither export nor its fix); an exported program would also hold one rank's
+  shards and the unit's collectives. It is refused by name.
 * ``torch.func`` transforms that differentiate (``grad``, ``jacrev``, ..., and ``vmap`` with autograd on) wrap
   tensors in functorch wrappers that have no storage: the all-gather failed with "Cannot access storage of
   TensorWrapper". ``vmap`` alone under ``torch.no_grad()`` works and is let through.
 
-Both raise a ``RuntimeError`` naming the unit and the fix, at the same point on every rank (before the unit's
+Each raises a ``RuntimeError`` naming the unit and the fix, at the same point on every rank (before the unit's
 all-gather). Cost: one identity test per parameter name at each unit's forward.
 
 Example::
@@ -33,7 +36,16 @@ _FIX = (
 
 
 def check_forward_parameters(unit: str, group: FSDPParamGroup | None) -> None:
-    """Raise if this forward runs under a ``torch.func`` transform or with parameters the unit did not register."""
+    """Raise if this forward runs under ``torch.export``, a ``torch.func`` transform or with parameters the unit
+    did not register."""
+    if torch.compiler.is_exporting():
+        raise RuntimeError(
+            f"fully_shard unit {unit}: torch.export.export of a fully_shard-ed module is not supported (each rank "
+            "holds only shards of the parameters, and the forward runs collectives). Export an unsharded copy in "
+            "one process: a plain model given load_state_dict(lightning_shard.checkpoint.get_model_state_dict("
+            "model, full_state_dict=True)) (every rank calls it), or, with Lightning, "
+            "MyModule.load_from_checkpoint(path) of a checkpoint the strategy saved"
+        )
     transforms = [i.key() for i in get_interpreter_stack() or ()]
     if transforms and (torch.is_grad_enabled() or any(t != TransformType.Vmap for t in transforms)):
         raise RuntimeError(
@@ -49,10 +61,11 @@ def check_forward_parameters(unit: str, group: FSDPParamGroup | None) -> None:
             if registered is None or (registered is not fp.sharded and registered is not fp.unsharded):
                 raise RuntimeError(
                     f"fully_shard unit {unit}: parameter {fp.fqn!r} was replaced or removed on its module "
-                    "(torch.func.functional_call, nn.utils.stateless, a parametrization registered after "
-                    f"fully_shard, or an assignment; found {_describe(registered)}). The unit would all-gather "
-                    "and register its own values over it, so functional_call over a fully_shard-ed module is not "
-                    f"supported, and parametrizations must be registered before fully_shard. {_FIX}"
+                    "(torch.func.functional_call, nn.utils.stateless, a parametrization registered after fully_shard, "
+                    "torch.nn.utils.prune applied after fully_shard, or an assignment; found "
+                    f"{_describe(registered)}). The unit would "
+                    "all-gather and register its own values over it, so functional_call over a fully_shard-ed module "
+                    f"is not supported, and parametrizations and pruning must be applied before fully_shard. {_FIX}"
                 )
 
 

@@ -369,14 +369,19 @@ def _restore_or_advance(own: list, synced: list, handle) -> None:
     device would (a second model materialised next, e.g. two critics under ``empty_init=True``, then gets other
     values than the first instead of the same ones); a rank with states of its own (seeded per rank) gets them back.
     """
-    same = all(
-        a is None and b is None or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(own, synced)
-    )
-    if same:
+    if all(_same_state(a, b) for a, b in zip(own, synced)):
         return
     torch.set_rng_state(own[0])
     if own[1] is not None:
         handle.set_rng_state(own[1])
+
+
+def _same_state(own, synced) -> bool:
+    """Whether a generator state is the one rank 0 sent. Identity first: the simulator's fake backend hands each
+    rank its own objects back (states made under fake tensors, which have no values to compare)."""
+    if own is synced:
+        return True
+    return isinstance(own, torch.Tensor) and isinstance(synced, torch.Tensor) and torch.equal(own, synced)
 
 
 @contextmanager

@@ -8,7 +8,8 @@ aligned onto one mesh, the in-place target's mesh or else the one with the most 
 
 * a DTensor on a sub-mesh is **lifted** onto the larger mesh with ``Replicate()`` on the dims it lacks: SPMD
   code keeps such a tensor equal across those ranks (the ranks of one TP group hold the same FSDP-only
-  parameters and gradients; the strategy checks the parameters at setup);
+  parameters and gradients; the strategy checks the parameters at setup); never onto ``data_parallel``
+  (``NEVER_LIFTED_ONTO``: an activation meeting a parameter still sharded by fully_shard raises, naming that);
 * a DTensor of the larger mesh that is ``Replicate()`` on every dim the target lacks is **viewed** on the
   target sub-mesh (exact: each rank's local tensor is already the sub-mesh's shard). One sharded or partial
   on such a dim cannot be, and the op raises as before.
@@ -29,6 +30,11 @@ from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.placements import Placement, Replicate
 from lightning_shard.tensor.spec import DTensorSpec
+
+#: A tensor without this dim (an activation on the tensor-parallel mesh) is never lifted onto it: meeting a tensor
+#: sharded over it (a parameter still sharded by fully_shard, its module run outside its unit's forward) is the
+#: error dispatch's fully_shard hint explains, not a value that is the same on every data-parallel rank.
+NEVER_LIFTED_ONTO = "data_parallel"
 
 
 def align_meshes(flat: list, positions: list[int], target: DeviceMesh) -> bool:
@@ -69,6 +75,8 @@ def _on_target(mesh: DeviceMesh, placements: tuple, target: DeviceMesh) -> tuple
         return None
     by_name = dict(zip(names, placements))
     if set(names) < set(target_names) and _in_order(names, target_names) and target[names] == mesh:
+        if NEVER_LIFTED_ONTO in set(target_names) - set(names):
+            return None
         return tuple(by_name.get(n, Replicate()) for n in target_names)  # lift: Replicate on the missing dims
     if set(target_names) < set(names) and _in_order(target_names, names) and mesh[target_names] == target:
         dropped = [by_name[n] for n in names if n not in target_names]

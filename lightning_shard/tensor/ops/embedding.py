@@ -104,6 +104,7 @@ def _localize(t: DTensor, want: tuple[Placement, ...]) -> torch.Tensor:
 def embedding_handler(func, args, kwargs):
     """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)`` on DTensors."""
     call = make_call(func, args, kwargs)
+    args = call.args  # DTensors on a sub-mesh come back aligned onto the op's mesh (tensor/_submesh.py)
     weight, indices = args[0], args[1]
     wspec: DTensorSpec = weight._spec
     ispec: DTensorSpec = indices._spec
@@ -138,6 +139,7 @@ def embedding_handler(func, args, kwargs):
 def embedding_backward_handler(func, args, kwargs):
     """``embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)``."""
     call = make_call(func, args, kwargs)
+    args = call.args  # aligned onto one mesh, as above
     grad, indices = args[0], args[1]
     num_weights, padding_idx, freq = args[2], args[3], args[4]
     gspec: DTensorSpec = grad._spec

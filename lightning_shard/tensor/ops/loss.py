@@ -80,6 +80,7 @@ def _to_meta(a):
 def nll_loss_forward_handler(func, args, kwargs):
     """``nll_loss_forward(self, target, weight, reduction, ignore_index) -> (output, total_weight)``."""
     call: OpCall = make_call(func, args, kwargs)
+    args = call.args  # DTensors on a sub-mesh come back aligned onto the op's mesh (tensor/_submesh.py)
     inp, target, weight, reduction, ignore_index = args
     in_p, tg_p = _choose(inp._spec, target._spec)
     x = redistribute_local(inp._local_tensor, inp._spec, tuple(in_p))

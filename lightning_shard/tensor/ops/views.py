@@ -628,6 +628,7 @@ def index_handler(func, args: tuple, kwargs: dict):
     """``x[idx]``; with a boolean mask the result's length is data-dependent (no meta run can tell it), so
     the op runs on the planned local inputs and the global shape is read off the local result."""
     call = make_call(func, args, kwargs)
+    args = call.args  # DTensors on a sub-mesh come back aligned onto the op's mesh (tensor/_submesh.py)
     plan = index_rule(call)
     indices = args[1]
     if not any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):

@@ -36,7 +36,13 @@ from lightning.fabric.utilities.distributed import (
 
 from lightning_shard.mesh import DeviceMesh
 
-__all__ = ["all_gather_over_data_parallel", "is_default_group", "is_sum", "reduce_over_data_parallel"]
+__all__ = [
+    "all_gather_over_data_parallel",
+    "decided_on_ranks",
+    "is_default_group",
+    "is_sum",
+    "reduce_over_data_parallel",
+]
 
 TP_DIM = "tensor_parallel"
 
@@ -92,3 +98,15 @@ def _same_tp_coordinate_ranks(mesh: DeviceMesh, device: torch.device) -> torch.T
     tp_dim = mesh.mesh_dim_names.index(TP_DIM)
     ranks = mesh.mesh.movedim(tp_dim, -1)[..., mesh.get_local_rank(TP_DIM)].flatten()
     return ranks.to(device)
+
+
+def decided_on_ranks(decision: bool, device: torch.device, all: bool = True) -> bool:
+    """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank (the
+    strategies' ``reduce_boolean_decision``), not the data-parallel sum of ``reduce_over_data_parallel``.
+
+    Example: ``stop = decided_on_ranks(should_stop, torch.device("cpu"))``
+    """
+    if not _distributed_is_initialized():
+        return decision
+    count = _sync_ddp_if_available(torch.tensor(int(decision), device=device), None, reduce_op="sum")
+    return bool(count == dist.get_world_size()) if all else bool(count)

@@ -39,7 +39,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
@@ -344,10 +343,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank, not
         ``all_reduce``'s data-parallel sum."""
-        if not _distributed_is_initialized():
-            return decision
-        count = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
-        return bool(count == self.world_size) if all else bool(count)
+        return collectives.decided_on_ranks(decision, self.root_device, all)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self.engine.barrier()

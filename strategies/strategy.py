@@ -949,12 +949,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         return collectives.reduce_over_data_parallel(tensor, self._device_mesh, None, reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank,
-        not ``reduce``'s data-parallel sum."""
-        if not _distributed_is_initialized():
-            return decision
-        count = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
-        return bool(count == self.world_size) if all else bool(count)
+        """True on every rank when all (``all=True``) or any ranks decided True: a count over every rank, not
+        ``reduce``'s data-parallel sum."""
+        return collectives.decided_on_ranks(decision, self.root_device, all)
 
     def all_gather(self, tensor: torch.Tensor, group=None, sync_grads: bool = False) -> torch.Tensor:
         """``LightningModule.all_gather``: under tensor parallelism, over the default group, each data-parallel

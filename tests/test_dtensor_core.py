@@ -297,6 +297,7 @@ def test_bad_input_errors_same_on_every_rank():
         _raises_everywhere(TypeError, "is not a Placement", lambda: distribute_tensor(t, mesh, ["shard"])),
         _raises_everywhere(ValueError, "already a DTensor", lambda: distribute_tensor(x, mesh, [Shard(0)])),
         _raises_everywhere(ValueError, "reduce_op 'prod'", lambda: Partial("prod")),
+        _raises_everywhere(RuntimeError, r"numpy\(\).*full_tensor\(\)\.numpy\(\).*to_local", lambda: x.numpy()),
     ]
     # A 0-dim plain tensor mixes fine (a scalar).
     torch.testing.assert_close((x * torch.tensor(2.0)).full_tensor(), x.full_tensor() * 2)

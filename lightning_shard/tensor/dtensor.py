@@ -227,6 +227,20 @@ class DTensor(torch.Tensor):
         with torch.no_grad():
             return self.full_tensor().tolist()
 
+    def numpy(self, *, force: bool = False):
+        """Refused with the two ways that work (torch refuses every tensor subclass, naming neither).
+
+        Why not a collective, as ``tolist``: ``.numpy()`` is what code written for plain tensors calls on one
+        rank (a ``rank_zero_only`` callback, sklearn metrics at epoch end); a collective there would hang.
+
+        Example: ``x.full_tensor().numpy()`` (every rank) or ``x.to_local().numpy()`` (this rank's part).
+        """
+        raise RuntimeError(
+            f"DTensor.numpy(): this DTensor {tuple(self.shape)} with placements {list(self.placements)} holds only "
+            "this rank's part of the value; call .full_tensor().numpy() on every rank (a collective: the whole "
+            "value) or .to_local().numpy() (this rank's part)"
+        )
+
 
 def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     """Contiguous strides of ``shape`` in the same dim order as ``local``'s memory layout."""

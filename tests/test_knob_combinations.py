@@ -195,24 +195,18 @@ def test_loss_parallel_user_losses_match_one_process(loss):
 
 @distributed(world_size=2)
 def test_loss_parallel_argmax_accuracy_and_softmax_in_validation():
-    trainer = _trainer(
-        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True),
-        max_steps=STEPS,
-        limit_val_batches=2,
-        val_check_interval=STEPS,
-    )
+    def fit_with_validation(module):
+        strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True)
+        trainer = _trainer(strategy=strategy, max_steps=STEPS, limit_val_batches=2, val_check_interval=STEPS)
+        trainer.fit(module)
+        return trainer
+
     module = _Lit(_gpt2, _hf_loss, accuracy=True)
     module.compare_plain = True  # the labels meet the argmax of the sharded logits as it is
     with pytest.raises(RuntimeError, match=r"aten.eq.Tensor: got a plain.*loss_parallel\(\).*\.full_tensor\(\)"):
-        trainer.fit(module)
-    trainer = _trainer(
-        strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True),
-        max_steps=STEPS,
-        limit_val_batches=2,
-        val_check_interval=STEPS,
-    )
+        fit_with_validation(module)
     module = _Lit(_gpt2, _hf_loss, accuracy=True)
-    trainer.fit(module)
+    trainer = fit_with_validation(module)
     _check(module, _gpt2, _hf_loss, tp=2, atol=5e-5)
     one = _gpt2()
     one.load_state_dict(module.initial, strict=False)

@@ -148,6 +148,7 @@ def test_resume_from_a_lightning_fsdp_sharded_checkpoint(tmp_path):
         assert _max_diff(mine[fqn], state[fqn]) < 1e-6, fqn
 
 
+@pytest.mark.slow
 @distributed(world_size=2)
 def test_resume_an_fsdp_sharded_checkpoint_on_another_mesh(tmp_path):
     """Saved by FSDP1 over 2 data-parallel ranks (dim-0 chunks), resumed with tensor parallelism over the same 2
@@ -232,6 +233,7 @@ def _damage(path: str, how: str) -> str:
     return name
 
 
+@pytest.mark.slow
 @distributed(world_size=2)
 def test_a_damaged_foreign_checkpoint_is_named_and_changes_nothing(tmp_path):
     """Directories of other tools have no checksums: damage that makes an entry unreadable (and truncation) must

@@ -6,6 +6,7 @@ Compiling is slow on small CPUs: the models are tiny and each test compiles few 
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,7 @@ def _stage(layout: GroupLayout, a: torch.Tensor, b: torch.Tensor):
     return full[0] + 1, full[1], gathered
 
 
+@pytest.mark.slow
 def test_staging_kernels_inside_a_compiled_function_equal_eager():
     torch._dynamo.reset()
     layout = GroupLayout([(5, 3), (4,)], world_size=2)

@@ -61,6 +61,7 @@ def _train(fabric, model, opt, data, steps: int, accumulate: int = 1, clip: floa
         opt.step()
 
 
+@pytest.mark.slow
 @distributed(world_size=2, fresh=True)
 def test_string_and_instance_are_accepted_and_parity_with_one_process():
     # A new process: Fabric creates the process group itself (as under torchrun).

@@ -15,11 +15,9 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import strategies
-from lightning_shard import init_device_mesh
 from tests.harness import distributed
 from tests.lightning_models import LitGPT
 from tests.test_strategy import _trainer
@@ -62,17 +60,3 @@ def test_the_tensor_parallel_peers_fail_after_the_timeout_too():
     # rank 1's tensor-parallel partner (rank 0) waits in a group of the mesh, not the default group: without the
     # strategy's timeout there, it waited torch's 30-minute default
     _fit_with_one_failing_rank(tp=2)
-
-
-@distributed(world_size=2, fresh=True)
-def test_every_group_a_mesh_creates_gets_the_default_groups_timeout():
-    # The cheap form of the test above (which waits out the timeout on 4 ranks, `slow`): a group created without
-    # the default group's timeout gets gloo's 30 minutes, and a rank waiting in it for a failed peer waits that long.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
-    try:
-        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        group = mesh.get_group("tensor_parallel")  # one rank per group: a group of its own, not the world's
-        assert group is not dist.group.WORLD
-        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=TIMEOUT)
-    finally:
-        dist.destroy_process_group()

@@ -67,6 +67,7 @@ def test_a_save_failing_on_one_rank_keeps_the_last_good_checkpoint(tmp_path, mon
         assert _max_diff(resumed, reference_params(2)) < TOL
 
 
+@pytest.mark.slow
 @distributed(world_size=2)
 def test_resume_from_last_ignores_a_crashed_save_beside_it(tmp_path):
     root = _shared_path(tmp_path, "ckpts")

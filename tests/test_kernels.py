@@ -179,6 +179,7 @@ def test_auto_on_cpu_tensors_uses_cpu_kernel_and_matches() -> None:
     assert check_against_reference("auto", "cpu", world_sizes=(2, 5), seed=7, full=False) > 0
 
 
+@pytest.mark.slow
 def test_serial_kernel_is_compiled_serial() -> None:
     """numba's disk cache files compiled code by function name and signature, not by compile options; the
     serial kernel must not load the parallel one's entry (it did, until it got its own name). A serial kernel

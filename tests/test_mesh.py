@@ -1,5 +1,7 @@
 """DeviceMesh on real gloo process groups (1, 2 and 4 ranks), compared with torch's own DeviceMesh."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,6 +123,17 @@ def test_init_from_environment_when_no_group_exists():
     ranks = _all_gather_objects(mesh.get_local_rank())
     assert ranks == [0, 1]
     dist.destroy_process_group()
+    # Every group a mesh creates gets the default group's timeout: with gloo's 30-minute default a rank waiting
+    # in a sub-group (tensor parallel) for a failed peer waits that long (tests/test_faults_exceptions.py, slow,
+    # waits it out on 4 ranks).
+    dist.init_process_group("gloo", timeout=timedelta(seconds=15))
+    try:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        group = mesh.get_group("tensor_parallel")  # one rank per group: a group of its own, not the world's
+        assert group is not dist.group.WORLD
+        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=15)
+    finally:
+        dist.destroy_process_group()
 
 
 @distributed(world_size=4)

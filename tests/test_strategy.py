@@ -48,6 +48,7 @@ def test_fsdp_only_parity_with_single_device():
     assert _max_diff(module, reference_params(5)) < 1e-5
 
 
+@pytest.mark.slow
 @distributed(world_size=2, fresh=True)
 def test_engine_loaded_before_configure_model():
     # A new process: the engine's one-time loads (numba kernels ~46 MB, DTensor op rules ~10 MB; docs/strategy.md)

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -64,7 +65,20 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Engine work that must happen before any optimizer updates sharded parameters (``register_before_step``).
+_before_step: list[Callable[[], None]] = []
+
+
+def register_before_step(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` before every optimizer step (the same global pre-hook as the check; ``install_step_guard``).
+
+    Example: ``register_before_step(lambda: None)``."""
+    _before_step.append(fn)
+
+
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for fn in _before_step:
+        fn()
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _checked.get(optimizer) != count:
         check_optimizer_params(optimizer)

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data, same_storage
 from lightning_shard.fsdp import buffers, collectives
-from lightning_shard.fsdp.optimizer_guard import mark_unsharded
+from lightning_shard.fsdp.optimizer_guard import mark_unsharded, register_before_step
 from lightning_shard.fsdp.param import BUILT_ON_META, FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from lightning_shard.fsdp.post_forward import PostForwardShard
@@ -225,6 +226,11 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.post_forward: PostForwardShard | None = None  # reshard_after_forward=<int> (configure_post_forward)
+        # A backward with ``create_graph=True`` (gradient penalty, Hessian-vector product) recorded a graph that
+        # reads the unsharded parameters: ``reshard`` keeps them allocated until ``release_graph``.
+        self.held_for_graph = False
+        # Called when a gradient lands on an unsharded parameter (the FSDP state queues its end of backward).
+        self.on_unsharded_grad: Callable[[], None] | None = None
         if device.type != "meta":
             self.layout.warm(device, self.compute_dtype, self.reduce_dtype)
         if device.type == "cpu":
@@ -379,16 +385,40 @@ class FSDPParamGroup:
                     data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
                     fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
                 mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
+                _register_grad_hook(fp.unsharded, self._unsharded_grad_arrived)
             fp.sync_requires_grad()
             views.append(fp.unsharded)
         return views
+
+    def hold_for_graph(self) -> None:
+        """Keep the unsharded parameters allocated (a recorded graph reads them) until ``release_graph``, at the
+        latest until the next optimizer step (whose update they would not show)."""
+        if self.is_unsharded and not self.held_for_graph:
+            self.held_for_graph = True
+            _HELD_FOR_GRAPH.add(self)
+
+    def release_graph(self) -> None:
+        """Stop holding the unsharded parameters for a graph; the next ``reshard`` frees them."""
+        self.held_for_graph = False
+        _HELD_FOR_GRAPH.discard(self)
+
+    def _unsharded_grad_arrived(self, param: torch.Tensor) -> None:
+        if self.on_unsharded_grad is not None:
+            self.on_unsharded_grad()
+
+    def has_unsharded_grads(self) -> bool:
+        """Whether a backward left gradients on the unsharded parameters that no reduce-scatter took yet."""
+        return any(fp.unsharded is not None and fp.unsharded.grad is not None for fp in self.params)
 
     def reshard(self, keep_post_forward_shard: bool = False) -> None:
         """Point the modules back at the sharded DTensors and free the unsharded storage.
 
         ``keep_post_forward_shard`` (after forward, with ``configure_post_forward``): first keep this rank's
         ``size``-way slice for the backward all-gather. Otherwise a held slice is dropped too.
+        Nothing happens while ``held_for_graph``: a recorded graph still reads the unsharded parameters.
         """
+        if self.held_for_graph and self.is_unsharded:
+            return
         if self.pending_all_gather is not None:  # a prefetch that was never used
             self.pending_all_gather.wait()
             self.pending_all_gather = None
@@ -576,6 +606,33 @@ class FSDPParamGroup:
             and local.storage_offset() == offset
             and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
         )
+
+
+# Groups holding their unsharded parameters for a recorded graph; an optimizer step reshards them (below).
+_HELD_FOR_GRAPH: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
+
+
+def _reshard_groups_held_for_graph() -> None:
+    """Before any optimizer step: reshard the groups kept unsharded for a graph (``hold_for_graph``).
+
+    The step writes the sharded parameters; unsharded copies gathered before it would otherwise be reused by
+    the next forward with the old values (a ``loss.backward(create_graph=True)`` step trained on stale weights
+    with no error). A graph recorded before the step is stale on one device too."""
+    for group in list(_HELD_FOR_GRAPH):
+        group.release_graph()
+        group.reshard()
+
+
+register_before_step(_reshard_groups_held_for_graph)
+
+
+def _register_grad_hook(param: nn.Parameter, hook: Callable[[torch.Tensor], None]) -> None:
+    """``param.register_post_accumulate_grad_hook(hook)``, also on a frozen parameter (torch refuses the
+    registration there, but keeps and runs the hook once the parameter is unfrozen)."""
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
+    param.register_post_accumulate_grad_hook(hook)
+    param.requires_grad_(not frozen)
 
 
 def _match_numba_threads_to_torch() -> None:

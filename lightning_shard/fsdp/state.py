@@ -75,6 +75,8 @@ class FSDPState:
         # A compiled model breaks its graph at each FSDP unit's boundary; a unit's forward itself compiles.
         pre_forward, post_forward = _eager_under_compile(self._pre_forward), _eager_under_compile(self._post_forward)
         enter, leave = _eager_under_compile(self._enter_call), _eager_under_compile(self._leave_call)
+        if group is not None:  # a gradient reaching the parameters outside the unit's hooks (higher-order autograd)
+            group.on_unsharded_grad = self._unsharded_grad_arrived
         for module in modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_pre_hook(enter, prepend=True)  # first of all
@@ -279,9 +281,16 @@ class FSDPState:
         self._callback_queued = True
         Variable._execution_engine.queue_callback(self._root_post_backward_final)
 
+    def _unsharded_grad_arrived(self) -> None:
+        """A gradient landed on an unsharded parameter: make sure this backward ends with the root's callback,
+        which reduces it. A gradient penalty's backward reaches the parameters through the graph its
+        ``create_graph=True`` backward recorded, where no output or input hook of the unit has to fire."""
+        (self.root or self)._queue_final_callback()
+
     def post_backward(self) -> None:
         self.unit.on("post_backward")
         if self.group is not None:
+            _hold_for_graph(self.group)
             # Bound memory: the previous group's reduce-scatter finishes (its staging buffer is freed) before
             # this group stages its gradients, so at most two staging buffers are alive, as in torch's FSDP2.
             root = self.root or self
@@ -299,6 +308,12 @@ class FSDPState:
         self._callback_queued = False
         self.last_reducing_group = None
         for state in self.all_states:
+            # Gradients that reached the parameters after the unit's post-backward, through the graph a backward
+            # with ``create_graph=True`` recorded (a gradient penalty's second derivative): reduced below, added to
+            # the rest. Only for groups held for such a graph, a decision every rank makes alike.
+            late = state.group is not None and state.group.held_for_graph and state.group.has_unsharded_grads()
+            if state.group is not None:
+                _hold_for_graph(state.group, end_of_backward=True)
             if state.unit.current is FORWARD:  # this backward ran inside the unit's forward, which goes on
                 state._reshard_inside_forward()
                 state.unit.on("end_backward")
@@ -306,7 +321,8 @@ class FSDPState:
             group = state.group
             # Unsharded without a post-backward since its last pre-backward: its inputs did not require grad (the
             # root's token ids; a unit called twice whose first call's inputs did not), so no hook fired for it.
-            if group is not None and group.is_unsharded and state.unit.current is not POST_BACKWARD:
+            unreduced = state.unit.current is not POST_BACKWARD and group is not None and group.is_unsharded
+            if group is not None and (unreduced or late):
                 state.post_backward()
             if group is not None:
                 group.finish_reduce()
@@ -350,6 +366,20 @@ class FSDPState:
         for handle in self._regather_hooks:
             handle.remove()
         self._regather_hooks = []
+
+
+def _hold_for_graph(group: FSDPParamGroup, end_of_backward: bool = False) -> None:
+    """Keep ``group``'s unsharded parameters while a recorded graph reads them.
+
+    A backward with ``create_graph=True`` (grad mode is on inside it) records a graph of the gradients that
+    saves the unsharded parameters; freeing them at reshard made the later backward through that graph fail on
+    a storage of size 0 (torch's FSDP2 fails the same way). They stay allocated until a backward without
+    ``create_graph`` ends (the one through the recorded graph), or until the next optimizer step: the memory
+    of one unsharded model, as on one device."""
+    if torch.is_grad_enabled():
+        group.hold_for_graph()
+    elif end_of_backward:
+        group.release_graph()
 
 
 def _in_backward() -> bool:

@@ -305,6 +305,9 @@ class _FromLocal(torch.autograd.Function):
         spec: DTensorSpec = ctx.spec
         if not isinstance(grad, DTensor):
             return grad, None, None
+        if _builds_graph(grad):  # a double backward differentiates this gradient: keep it on the graph
+            want = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+            return _ToLocal.apply(_Redistribute.apply(grad, want), None), None, None
         return _grad_local(grad, spec.placements), None, None
 
 
@@ -330,6 +333,8 @@ class _ToLocal(torch.autograd.Function):
         # The gradient's memory layout may differ from the forward tensor's (e.g. it comes from a transpose):
         # the global strides must describe the gradient's own layout, or a later view of it fails.
         grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, _global_stride(grad, spec.shape), grad.dtype)
+        if _builds_graph(grad):  # a double backward differentiates this gradient: keep it on the graph
+            return _FromLocal.apply(grad, grad_spec, False), None
         return DTensor(grad, grad_spec, requires_grad=False), None
 
 
@@ -346,6 +351,16 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: DTensor):
         spec: DTensorSpec = ctx.spec
         want = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        if _builds_graph(grad):  # a double backward differentiates this gradient: keep it on the graph
+            return _Redistribute.apply(grad, want), None
         local = redistribute_local(grad._local_tensor, grad._spec, want)
         grad_spec = DTensorSpec(spec.mesh, want, spec.shape, spec.stride, grad.dtype)
         return DTensor(local, grad_spec, requires_grad=False), None
+
+
+def _builds_graph(grad: torch.Tensor) -> bool:
+    """Whether this backward records a graph of ``grad`` (``create_graph=True``: a gradient penalty, a
+    Hessian-vector product). Then the backward goes through these autograd Functions again instead of the
+    local tensor, which has no history: a second derivative taken through it was silently missing the terms of
+    every tensor-parallel collective (e.g. ``RowwiseParallel``'s all-reduce)."""
+    return torch.is_grad_enabled() and grad.requires_grad

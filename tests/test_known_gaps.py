@@ -5,11 +5,18 @@
   family's distance from one process (up to ~2e-4 on a tiny Hugging Face Llama at lr 1e-2) is float noise:
   torch's own ``parallelize_module`` is as far or farther, it does not grow with the steps, and SGD is within
   1e-7 (``slow``: the optimizer matrix against torch's TP).
+* a half-complete TP plan (q/k/v column-parallel without ``o_proj``, a lone ``RowwiseParallel`` ``down_proj``)
+  failed with a bare shape error in forward; the error now carries a note naming the modules, styles and fix
+  (``slow``: more plans, a Hugging Face Llama, the Trainer with a user's ``tp_plan``).
+* ``torch.nn.utils.prune`` and ``nn.init.sparse_``/``dirac_`` on sharded parameters raised generic
+  ``aten.index_put_``/``aten.copy_`` errors; they now name the function and the supported order, and the
+  error's recipe for ``sparse_`` (initialise the full value, copy it back) gives one process's values.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -123,3 +130,101 @@ def test_optimizers_under_tp_as_close_to_one_process_as_torch_tp():
         ours_off = _worst(_train(ours, make_opt, batches), expected)
         torch_off = _worst(_train(theirs, make_opt, batches), expected)
         assert ours_off <= max(2 * torch_off, 1e-6), (name, ours_off, torch_off)
+
+
+# ------------------------------------------------------------------------------- 2. half-complete TP plans
+def _plan_error(model, plan, *args) -> str:
+    """The error (message and notes) a forward under ``plan`` raises on this rank."""
+    from lightning_shard.tp import parallelize_module as ours
+
+    ours(model, _tp_mesh(), plan)
+    with pytest.raises(RuntimeError) as info:
+        model(*args)
+    return "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+
+
+@distributed(world_size=2)
+def test_half_complete_plan_error_names_the_modules_and_the_fix():
+    from lightning_shard.tp import ColwiseParallel, RowwiseParallel
+
+    idx = torch.randint(0, VOCAB, (2, 8))
+    qkv = {f"layers.*.attention.{n}_proj": ColwiseParallel() for n in "qkv"}  # o_proj left out
+    text = _plan_error(tp_models.Llama(), qkv, idx)
+    assert "ColwiseParallel on 'layers.0.attention.q_proj'" in text and "RowwiseParallel" in text, text
+    assert "o_proj" in text, text
+    text = _plan_error(tp_models.Llama(), {"layers.*.feed_forward.down_proj": RowwiseParallel()}, idx)
+    assert "RowwiseParallel on 'layers.0.feed_forward.down_proj'" in text and "input_layouts=Replicate()" in text
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_half_complete_plans_through_the_trainer_and_on_hugging_face():
+    import strategies
+    from lightning_shard.tp import ColwiseParallel, RowwiseParallel
+    from tests.lightning_models import LitGPT
+    from tests.test_strategy import _trainer
+
+    up_gate = {f"model.layers.*.mlp.{n}": ColwiseParallel() for n in ("up_proj", "gate_proj")}  # no down_proj
+    text = _plan_error(hf_models.build("llama"), up_gate, torch.randint(0, hf_models.VOCAB, (2, 8)))
+    assert "'model.layers.0.mlp.gate_proj', 'model.layers.0.mlp.up_proj'" in text, text
+    wrong = {f"layers.*.feed_forward.{n}": ColwiseParallel() for n in ("up_proj", "gate_proj", "down_proj")}
+    text = _plan_error(tp_models.Llama(), wrong, torch.randint(0, VOCAB, (2, 8)))
+    assert "'layers.0.feed_forward.down_proj' consumes a column shard, so it is RowwiseParallel" in text, text
+    plan = {"model.layers.*.attention.q_proj": ColwiseParallel(), "model.layers.*.attention.o_proj": RowwiseParallel()}
+    trainer = _trainer(strategy=strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, tp_plan=plan), max_steps=1)
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit(LitGPT(arch="llama"))
+    assert any("'model.layers.0.attention.q_proj'" in n for n in getattr(info.value, "__notes__", [])), info.value
+
+
+# ------------------------------------------------------ 3, 4. prune and nn.init.sparse_/dirac_ after sharding
+@distributed(world_size=2)
+def test_prune_and_indexing_inits_after_sharding_name_the_function_and_the_fix():
+    from torch import nn
+    from torch.nn.utils import prune
+
+    from lightning_shard.tensor import Replicate, distribute_tensor
+    from tests.test_user_param_ops import _net
+
+    net = _net("fsdp")
+    with pytest.raises(RuntimeError, match=r"prune\.l1_unstructured on a sharded .* Prune before sharding"):
+        prune.l1_unstructured(net.a, "weight", amount=0.5)
+    sparse_error = pytest.raises(RuntimeError, match=r"init\.sparse_ on a sharded .* Initialise before sharding")
+    with sparse_error, torch.no_grad():
+        nn.init.sparse_(net.b.weight, 0.5)
+    # The error's recipe (initialise the full value, copy it back) gives one process's values.
+    ref = _net(None)
+    for model in (ref, net):
+        torch.manual_seed(5)
+        p = model.b.weight
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                full = p.full_tensor()
+                nn.init.sparse_(full, 0.5)
+                p.copy_(distribute_tensor(full, p.device_mesh, [Replicate()] * p.device_mesh.ndim))
+            else:
+                nn.init.sparse_(p, 0.5)
+    assert torch.equal(net.b.weight.full_tensor(), ref.b.weight)
+    rows, cols = ref.b.weight.shape
+    assert (ref.b.weight == 0).sum() == math.ceil(0.5 * rows) * cols  # the recipe did initialise sparsely
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+@distributed(world_size=2)
+def test_every_prune_method_and_dirac_after_sharding_raise_clearly(kind):
+    from torch import nn
+    from torch.nn.utils import prune
+
+    from tests.test_user_param_ops import _net
+
+    calls = {
+        "l1_unstructured": lambda net: prune.l1_unstructured(net.a, "weight", amount=0.5),
+        "random_unstructured": lambda net: prune.random_unstructured(net.a, "weight", amount=0.5),
+        "ln_structured": lambda net: prune.ln_structured(net.a, "weight", amount=0.5, n=2, dim=0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"prune\.{name} on a sharded"):
+            call(_net(kind))
+    with pytest.raises(RuntimeError, match=r"init\.dirac_ on a sharded"), torch.no_grad():
+        nn.init.dirac_(_net(kind).conv.weight)

@@ -11,6 +11,9 @@
 * ``torch.nn.utils.prune`` and ``nn.init.sparse_``/``dirac_`` on sharded parameters raised generic
   ``aten.index_put_``/``aten.copy_`` errors; they now name the function and the supported order, and the
   error's recipe for ``sparse_`` (initialise the full value, copy it back) gives one process's values.
+* the TP same-batch check looked at batch 0 of each epoch only: data whose first batch agrees across a TP group
+  and later batches do not trained wrong with no error; every training batch is now checked by a sampled
+  checksum carried in the all-reduce the strategy makes before each batch anyway.
 """
 
 from __future__ import annotations
@@ -20,13 +23,18 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_shard import init_device_mesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tp import auto_tp_plan, parallelize_module
+from lightning_shard.tp.input_check import TPInputMismatchError
 from tests import hf_models, tp_models
 from tests.harness import distributed
+from tests.lightning_models import dataset
+from tests.test_tp_input_check import LitPerRankData
+from tests.test_tp_input_check import _trainer as tp_trainer
 
 VOCAB = 101
 
@@ -228,3 +236,36 @@ def test_every_prune_method_and_dirac_after_sharding_raise_clearly(kind):
             call(_net(kind))
     with pytest.raises(RuntimeError, match=r"init\.dirac_ on a sharded"), torch.no_grad():
         nn.init.dirac_(_net(kind).conv.weight)
+
+
+# ------------------------------------------------------------------- 5. the TP same-batch check, every batch
+class _SameFirstBatch(LitPerRankData):
+    """Rows 0-3 on every rank (batch 0), then rows split by global rank: the first-batch check passes."""
+
+    def __init__(self) -> None:
+        super().__init__(split_by_rank=False)
+
+    def train_dataloader(self):
+        rows = [*range(4), *range(4 + dist.get_rank(), 20, dist.get_world_size())]
+        return torch.utils.data.DataLoader(torch.utils.data.Subset(dataset(), rows), batch_size=4)
+
+
+@distributed(world_size=2)
+def test_tp_batches_differing_after_the_first_raise_at_that_batch():
+    with pytest.raises(TPInputMismatchError, match=r"batch_idx 1, the per-batch check.*batch\[0\]"):
+        tp_trainer(max_steps=3).fit(_SameFirstBatch())
+
+
+def test_sampled_checksum_tells_values_shapes_and_dtypes_apart():
+    from lightning_shard.tp.input_check import sampled_checksum
+
+    cpu = torch.device("cpu")
+    ids = torch.randint(0, 1000, (8, 2048), generator=torch.Generator().manual_seed(0))
+    base = sampled_checksum({"ids": ids, "name": "x"}, cpu)
+    assert base.dtype == torch.int64 and base.ndim == 0
+    assert torch.equal(base, sampled_checksum({"ids": ids.clone(), "name": "y"}, cpu))  # non-tensors ignored
+    other = ids.clone()
+    other[0, 0] += 1  # a sampled element (the first)
+    changed = [other, ids.float(), ids.reshape(16, 1024), ids.flip(0), ids.t()]
+    assert all(not torch.equal(base, sampled_checksum({"ids": t}, cpu)) for t in changed)
+    assert not torch.equal(sampled_checksum([ids, ids], cpu), sampled_checksum([ids, ids + 1], cpu))

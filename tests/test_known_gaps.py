@@ -269,3 +269,27 @@ def test_sampled_checksum_tells_values_shapes_and_dtypes_apart():
     changed = [other, ids.float(), ids.reshape(16, 1024), ids.flip(0), ids.t()]
     assert all(not torch.equal(base, sampled_checksum({"ids": t}, cpu)) for t in changed)
     assert not torch.equal(sampled_checksum([ids, ids], cpu), sampled_checksum([ids, ids + 1], cpu))
+
+
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_optimizers_under_fsdp2_x_tp2_match_one_process():
+    from lightning_shard.fsdp import fully_shard
+
+    root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tp, dp = root["tensor_parallel"], root["data_parallel"]
+    for make_opt in (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+        lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    ):
+        torch.manual_seed(0)
+        model = tp_models.Llama()
+        ref = copy.deepcopy(model)
+        batches = _batches(5)  # the same on every data-parallel rank: averaged gradients equal one process's
+        expected = _train(ref, make_opt, batches)
+        parallelize_module(model, tp, auto_tp_plan(model, tp, sequence_parallel=False, loss_parallel=False))
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp)
+        fully_shard(model, mesh=dp)
+        assert _worst(_train(model, make_opt, batches), expected) < 5e-5

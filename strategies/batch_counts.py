@@ -48,16 +48,22 @@ def train_ends_after_this_batch(trainer) -> bool:
     return False  # manual optimization steps inside training_step: max_steps is not known to stop here
 
 
-def check_train_ends_alike(trainer, batch_idx: int, device: torch.device) -> None:
+def check_train_ends_alike(trainer, batch_idx: int, device: torch.device, same_batch=None, batch=None) -> None:
     """Raise a ``RuntimeError`` on every rank when some ranks end the training epoch after this batch and
-    others do not. Every rank must call it before every training batch.
+    others do not. Every rank must call it before every training batch. With ``same_batch`` (an
+    ``input_checks.EveryBatchCheck``), the same all-reduce also carries ``batch``'s checksum, so that the ranks
+    of a TP group are checked for the same batch at every step at no extra collective.
 
     Example: ``check_train_ends_alike(trainer, batch_idx, strategy.root_device)``.
     """
     ends = train_ends_after_this_batch(trainer)
-    flags = torch.tensor([int(ends), int(not ends)], dtype=torch.int32, device=device)
+    flags = torch.tensor([int(ends), int(not ends)], dtype=torch.int64, device=device)
+    if same_batch is not None:
+        flags = torch.cat([flags, same_batch.slots(batch, device)])
     comm.all_reduce_flags(flags, None)
-    if not bool(flags.all()):
+    if same_batch is not None:
+        same_batch.verify(flags[2:], batch, batch_idx)
+    if not bool(flags[:2].all()):
         return
     every = comm.all_gather_objects((batch_idx, ends))
     last = [rank for rank, (_, e) in enumerate(every) if e]

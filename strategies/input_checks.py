@@ -1,11 +1,16 @@
 """When the strategy checks that the ranks of a tensor-parallel group see the same batch.
 
 Different batches on the ranks of one TP group train wrong with no error (see
-``lightning_shard.tp.input_check``). Checking every batch would cost a hash and a collective per step (and a
-device-to-host copy of the batch on GPUs), so the strategy checks the first batch of every epoch of each loop
-(``batch_idx == 0``): that catches a sampler or dataset split by the global rank, and augmentation seeded
-per rank, from the first step. Fabric has no batch index: its module checks its first forward in training
-mode and its first in eval mode.
+``lightning_shard.tp.input_check``). The full check (a hash of every byte and an all-gather of fingerprints)
+runs on the first batch of every epoch of each loop (``batch_idx == 0``): that catches a sampler or dataset
+split by the global rank, and augmentation seeded per rank, from the first step. Every training batch after
+it is checked by ``EveryBatchCheck``: a checksum of up to 4096 sampled elements per tensor, carried in the
+all-reduce the strategy makes before every training batch anyway (``batch_counts.check_train_ends_alike``),
+so it adds no collective and no device-to-host copy; that catches data that agrees on batch 0 only (a
+dataset whose first rows every rank shares, augmentation that diverges after the first step). Evaluation
+batches after the first, a ``training_step(dataloader_iter)`` and Fabric are checked on their first batch
+only (they have no such collective); Fabric has no batch index: its module checks its first forward in
+training mode and its first in eval mode.
 
 Example::
 
@@ -17,13 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.loops.fetchers import _DataFetcherWrapper
 from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
-from lightning_shard.tp.input_check import check_same_inputs
+from lightning_shard.tp.input_check import TPInputMismatchError, check_same_inputs, sampled_checksum
 
-__all__ = ["FirstBatchCheck", "check_first_forwards", "check_initialised_at_first_forward"]
+__all__ = ["EveryBatchCheck", "FirstBatchCheck", "check_first_forwards", "check_initialised_at_first_forward"]
 
 
 def _tp_group(mesh: DeviceMesh | None):
@@ -66,6 +72,53 @@ class FirstBatchCheck:
         self._loops_seen.add(loop)
         batch = args[0] if args else kwargs.get("batch")
         check_same_inputs(batch, group, what=f"{loop} batches (batch_idx {batch_idx})")
+
+
+class EveryBatchCheck:
+    """Every training batch, checked in the all-reduce the strategy makes anyway before each batch
+    (``batch_counts.check_train_ends_alike``): each TP group gets two int64 slots, where its ranks put the
+    batch's ``sampled_checksum`` ``c`` and ``-c``; under the max all-reduce the slots hold the group's largest
+    checksum and minus its smallest, equal only when every rank of the group saw the same checksum. The other
+    groups' slots start at a value below any checksum. When a group differs, its ranks run
+    ``check_same_inputs`` (the full fingerprint, naming the tensor that differs) and the others raise too.
+
+    Example: ``check = EveryBatchCheck(mesh)``; ``check.slots(batch, device)`` before, ``check.verify(...)`` after.
+    """
+
+    _EMPTY = -(1 << 62)
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        names = list(mesh.mesh_dim_names)
+        tp_dim = names.index("tensor_parallel")
+        coordinate = mesh.get_coordinate()
+        others = [(coordinate[d], mesh.shape[d]) for d in range(mesh.ndim) if d != tp_dim]
+        self.index, self.groups = 0, 1
+        for position, size in others:  # this rank's TP group: its coordinates off the TP dim, row-major
+            self.index, self.groups = self.index * size + position, self.groups * size
+        self.group = mesh.get_group("tensor_parallel")
+
+    def slots(self, batch: Any, device: torch.device) -> torch.Tensor:
+        """This rank's slots: its group's pair holds the batch's checksum and its negative."""
+        out = torch.full((2 * self.groups,), self._EMPTY, dtype=torch.int64, device=device)
+        checksum = sampled_checksum(batch, device)
+        out[2 * self.index] = checksum
+        out[2 * self.index + 1] = -checksum
+        return out
+
+    def verify(self, reduced: torch.Tensor, batch: Any, batch_idx: int) -> None:
+        """Raise ``TPInputMismatchError`` on every rank if any TP group's slots of the reduced vector differ."""
+        pairs = reduced.view(-1, 2).tolist()
+        differ = [g for g, (high, neg_low) in enumerate(pairs) if high != -neg_low]
+        if not differ:
+            return
+        what = f"training batches (batch_idx {batch_idx}, the per-batch check)"
+        if self.index in differ:
+            check_same_inputs(batch, self.group, what=what)  # raises, naming the tensor that differs
+        raise TPInputMismatchError(
+            f"{what}: the ranks of tensor-parallel group(s) {differ} (of {self.groups}) were given different "
+            "batches; every rank of a TP group must see the same batch (split the data by the data-parallel rank, "
+            "trainer.strategy.distributed_sampler_kwargs, not by the global rank)"
+        )
 
 
 class _CheckedDataloaderIter(_DataFetcherWrapper):

@@ -68,7 +68,7 @@ from strategies import auto, batch_counts, collectives, finetuning, loading, nod
 from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
-from strategies.input_checks import FirstBatchCheck
+from strategies.input_checks import EveryBatchCheck, FirstBatchCheck
 from strategies.interrupts import resharded_on_exception
 from strategies.metrics import set_data_parallel_group, sync_metrics_over_data_parallel
 from strategies.peft_adapters import refuse_prefix_tuning_under_tp, wrap_peft_methods
@@ -232,6 +232,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.auto_configuration: dict | None = None  # what the "auto" knobs resolved to, and why
         self._eval_position_checks: dict[str, bool] = {}  # loops with a length-less dataloader (batch_counts)
         self._first_batch_check = FirstBatchCheck()  # the ranks of a TP group must see the same batches
+        self._batch_check: EveryBatchCheck | None = None  # and every training batch, in an existing all-reduce
         self._requeue: requeue.DeferredRequeue | None = None  # SLURM auto-requeue, run where the ranks agree
         # names materialize could not initialise (None: nothing was on meta); checked before the first step,
         # after a checkpoint had the chance to fill them
@@ -736,9 +737,20 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
         trainer = self.lightning_module.trainer
         if self.world_size > 1 and not isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
-            batch_counts.check_train_ends_alike(trainer, batch_idx, self.root_device)
+            same = self._every_batch_check()  # TP: the same all-reduce checks every batch (input_checks.py)
+            batch_counts.check_train_ends_alike(trainer, batch_idx, self.root_device, same, batch)
         if self._requeue is not None:
             self._requeue.at_batch_start(trainer, batch_idx, self.reduce_boolean_decision)
+
+    def _every_batch_check(self) -> EveryBatchCheck | None:
+        """The per-batch TP same-batch check, built once; ``None`` without TP or when the mesh is not the world
+        (the all-reduce it rides in spans the world)."""
+        mesh = self._device_mesh
+        if mesh is None or mesh.size("tensor_parallel") == 1 or mesh.size() != self.world_size:
+            return None
+        if self._batch_check is None:
+            self._batch_check = EveryBatchCheck(mesh)
+        return self._batch_check
 
     def on_validation_start(self) -> None:
         super().on_validation_start()

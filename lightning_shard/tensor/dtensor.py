@@ -65,7 +65,13 @@ class DTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from lightning_shard.tensor.dispatch import dispatch
 
-        return dispatch(func, args, kwargs or {})
+        try:
+            return dispatch(func, args, kwargs or {})
+        except (RuntimeError, ValueError, TypeError) as error:
+            from lightning_shard.tensor.caller_hints import raise_for_caller
+
+            raise_for_caller(error)  # prune / nn.init.sparse_ behind a refused op: name them (caller_hints.py)
+            raise
 
     def __repr__(self) -> str:
         return (

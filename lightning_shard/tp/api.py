@@ -17,6 +17,7 @@ from torch import nn
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tp._torch_styles import from_torch
 from lightning_shard.tp.nested_encoder import keep_encoders_padded
+from lightning_shard.tp.plan_check import watch_plan
 from lightning_shard.tp.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -43,7 +44,9 @@ def parallelize_module(
 
     Every check runs before any collective and raises ``ValueError``: a mesh that is not 1-D, a key that
     matches no module (with near matches), a style on an unsupported module type, a sharded size not
-    divisible by the TP size, a tied parameter planned with two different placements.
+    divisible by the TP size, a tied parameter planned with two different placements. A plan whose
+    column-parallel outputs reach no row-parallel module (or the reverse) fails in forward with the model's
+    own shape error plus a note naming the modules, their styles and the fix (``plan_check.py``).
     An ``nn.TransformerEncoder`` whose layers a style hooks runs its eval forward on padded tensors, never
     nested ones, with the nested path's results (``nested_encoder.py``).
 
@@ -67,6 +70,7 @@ def parallelize_module(
     _retie(ties)
     # The styles' hooks cannot take the nested tensors nn.TransformerEncoder makes in eval (nested_encoder.py).
     keep_encoders_padded(module, [sub for _, sub, _ in items])
+    watch_plan(module, items)  # a half-complete plan's shape error in forward gets a note naming it (plan_check.py)
     return module
 
 

@@ -111,20 +111,21 @@ def _states_differ(states: list[torch.Tensor], group: dist.ProcessGroup, device:
     return high != -neg_low
 
 
-def _collect(obj: Any, path: str, out: list[tuple], depth: int) -> None:
+def _collect(obj: Any, path: str, out: list, depth: int, leaf=None) -> None:
+    """Append ``leaf(path, tensor)`` (default: the fingerprint entry) for every tensor in ``obj``."""
     if depth > _MAX_DEPTH:
         return
     if isinstance(obj, torch.Tensor):
-        out.append((path, tuple(obj.shape), str(obj.dtype), _digest(obj)))
+        out.append(leaf(path, obj) if leaf else (path, tuple(obj.shape), str(obj.dtype), _digest(obj)))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            _collect(value, f"{path}[{key!r}]", out, depth + 1)
+            _collect(value, f"{path}[{key!r}]", out, depth + 1, leaf)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _collect(value, f"{path}[{i}]", out, depth + 1)
+            _collect(value, f"{path}[{i}]", out, depth + 1, leaf)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            _collect(getattr(obj, field.name), f"{path}.{field.name}", out, depth + 1)
+            _collect(getattr(obj, field.name), f"{path}.{field.name}", out, depth + 1, leaf)
 
 
 def _digest(tensor: torch.Tensor) -> str | None:
@@ -158,3 +159,36 @@ def _mismatch_message(what: str, group: dist.ProcessGroup, first: list, theirs: 
         "sampler or iterable dataset use the strategy's `distributed_sampler_kwargs`), not the global rank, and "
         "seed any random augmentation the same on the ranks of a TP group"
     )
+
+
+_SAMPLE = 4096  # elements per tensor the sampled checksum reads: its cost does not grow with the batch
+_MOD = (1 << 61) - 1  # a Mersenne prime: sums of (byte * weight) stay exact in int64 before the modulo
+
+
+def sampled_checksum(obj: Any, device: torch.device) -> torch.Tensor:
+    """A 0-dim int64 tensor on ``device`` in ``[0, 2**61 - 1)`` from up to 4096 evenly spaced elements of every
+    tensor in ``obj`` (their bytes, weighted by position) and the tensors' shapes. Equal inputs give equal
+    checksums; different batches (other samples, other augmentation) almost surely do not. Computed with torch
+    ops on the tensors' own devices: no copy to the host, so it can ride in a collective the caller makes anyway.
+
+    Example: ``sampled_checksum({"ids": ids}, ids.device)`` -> ``tensor(123456789)``.
+    """
+    host = 0  # CPU tensors: xxhash of the sampled bytes (a few torch ops per tensor cost more than hashing)
+    on_device = None  # accelerator tensors: torch ops where they live, no copy to the host
+    tensors: list[tuple[str, torch.Tensor]] = []
+    _collect(obj, "batch", tensors, 0, leaf=lambda path, t: (path, t))
+    for i, (path, tensor) in enumerate(tensors):
+        # Names and shapes through crc32, not hash(): Python salts str hashes per process.
+        host += zlib.crc32(repr((path, tuple(tensor.shape), str(tensor.dtype))).encode()) * (i + 1)
+        if isinstance(tensor, DTensor) or not has_data(tensor) or tensor.layout != torch.strided:
+            continue  # compared by name and shape only, as the fingerprint does
+        flat = tensor.detach().reshape(-1)
+        picked = flat[:: max(1, flat.numel() // _SAMPLE)][:_SAMPLE].contiguous().view(torch.uint8)
+        if picked.device.type == "cpu":
+            host += int(_digest(picked), 16) % _MOD * (2 * i + 3)
+            continue
+        weights = torch.arange(1, picked.numel() + 1, device=picked.device, dtype=torch.int64) * (2 * i + 3)
+        part = (picked.to(torch.int64) * weights).sum().to(device)
+        on_device = part if on_device is None else on_device + part
+    total = torch.tensor(host % _MOD, dtype=torch.int64, device=device)
+    return total if on_device is None else (total + on_device) % _MOD

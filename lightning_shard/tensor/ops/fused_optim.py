@@ -4,7 +4,8 @@
 A fused step updates every parameter from its own gradient and state, element by element. So for a parameter
 whose gradient and state tensors have the parameter's layout (same mesh, shape and placements, no ``Partial``:
 the FSDP case, every tensor ``Shard(0)``, and the TP case, each parameter's own placements) the update of its
-local shard is the fused kernel on the local shards. Every such parameter goes into one local fused call.
+local shard is the fused kernel on the local shards. Every such parameter goes into one local fused call, and
+so does a plain-tensor parameter whose gradient and state are plain too (one a TP plan left unsharded).
 The other arguments pass through: the 0-dim ``state_steps`` (plain tensors, or the local value of a
 replicated DTensor), a tensor ``lr``, and ``grad_scale``/``found_inf`` (plain tensors the gradient scaler made
 equal on every rank: ``ShardedGradScaler`` all-reduces its flag).
@@ -51,10 +52,19 @@ def _local_step(t):
     return t
 
 
+def _plain(lists: list[list], i: int) -> list | None:
+    """Element ``i``'s tensors as they are when none of them is a DTensor (a parameter a TP plan left plain,
+    e.g. a norm weight, next to sharded ones in the same optimizer), else ``None``."""
+    own = [lst[i] if lst else None for lst in lists]
+    return None if any(isinstance(t, DTensor) for t in own) else own
+
+
 def _split(names: tuple, lists: list[list], i: int):
     """Element ``i``'s local tensors, one per list, or ``None`` when it must take the fallback."""
     param = lists[0][i]
-    if not isinstance(param, DTensor) or param._spec.has_partial():
+    if not isinstance(param, DTensor):
+        return _plain(lists, i)
+    if param._spec.has_partial():
         return None
     laid_out = [lst[i] for name, lst in zip(names, lists) if name not in _SCALAR_LISTS and lst]
     if not _same_layout(param, laid_out[1:]):

@@ -8,20 +8,26 @@ steps, optimizer state, full and sharded checkpoints):
 * shapes: a first dimension smaller than the number of ranks or not divisible by it, zero-element parameters;
 * dtypes: a float64 model (no staging kernel takes float64: its copies take the torch reference path, in
   float64, where ``fully_shard`` raised an error naming no parameter), bf16 parameters, ``model.double()`` /
-  ``.half()`` called after sharding.
+  ``.half()`` called after sharding;
+* through the Trainer: ``precision="64-true"`` (refused before) on a ``channels_last`` ConvNet, resuming that
+  ConvNet from sharded and full checkpoints, and the setup errors for a 0-dim, an integer and a complex
+  parameter.
 """
 
 from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import numba_kernels as nk
+import strategies
 from lightning_shard import init_device_mesh
 from lightning_shard.checkpoint import (
     get_model_state_dict,
@@ -33,7 +39,10 @@ from lightning_shard.checkpoint import (
 from lightning_shard.fsdp import fully_shard
 from lightning_shard.tensor import DTensor
 from tests.harness import distributed
+from tests.lightning_models import sampler_batches
+from tests.test_strategy import _trainer
 from tests.test_strategy_checkpoint import _shared_path
+from tests.test_trainer_features import _single_trainer
 
 
 def _mesh(name: str = "data_parallel"):
@@ -250,3 +259,78 @@ def test_tensor_parallel_strided_linear_weights_train_like_one_process():
     data = _data((6,), 6)
     _train(model, data, True), _train(ref, data, True)  # TP: every rank sees the whole batch
     assert _worst(_full(model), _full(ref)) < 5e-5
+
+
+# ---------------------------------------------------------------------------------------------- the Trainer
+class LitConv(L.LightningModule):
+    """The ConvNet in ``channels_last``, AdamW; ``one_process=True`` draws the global batches Lightning's
+    DistributedSampler deals to 2 ranks (re-drawn each epoch: ``reload_dataloaders_every_n_epochs=1``)."""
+
+    def __init__(self, one_process: bool = False, n: int = 16, extra: str | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = ConvNet().to(memory_format=torch.channels_last)
+        self.one_process, self.n = one_process, n
+        if extra is not None:  # a parameter fully_shard refuses
+            self.extra = nn.Parameter(_EXTRAS[extra](), requires_grad=extra != "int")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x.contiguous(memory_format=torch.channels_last)), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(7)
+        data = TensorDataset(torch.randn(self.n, 3, 8, 8, generator=g), torch.randint(0, 4, (self.n,), generator=g))
+        if self.one_process:
+            batches = sampler_batches(2, 2, n=self.n, seed=self.current_epoch)
+            return DataLoader(data, batch_sampler=[b.tolist() for b in batches])
+        return DataLoader(data, batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)
+
+
+_EXTRAS = {
+    "scalar": lambda: torch.tensor(1.5),  # a learnable temperature
+    "int": lambda: torch.zeros(4, dtype=torch.int64),
+    "complex": lambda: torch.randn(4, dtype=torch.complex64),  # a learnable FFT filter
+}
+_ONE_PROCESS = dict(limit_val_batches=0, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=1)
+
+
+@distributed(world_size=2)
+def test_precision_64_true_trains_like_one_process():
+    ours = LitConv()
+    _trainer(precision="64-true", max_steps=3).fit(ours)
+    ref = LitConv(one_process=True)
+    _single_trainer(precision="64-true", max_steps=3, **_ONE_PROCESS).fit(ref)
+    assert all(p.dtype == torch.float64 for p in ours.parameters())
+    assert _worst(_full(ours), _full(ref)) < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+@distributed(world_size=2)
+def test_channels_last_resumes_like_one_process(state_dict_type, tmp_path):
+    path = _shared_path(tmp_path, "cl") + ".ckpt"
+    first = _trainer(strategy=strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type), max_epochs=1)
+    first.fit(LitConv(n=8))
+    first.save_checkpoint(path)
+    resumed = LitConv(n=8)
+    strategy = strategies.ShardFSDPTPStrategy(state_dict_type=state_dict_type)
+    _trainer(strategy=strategy, max_steps=-1, max_epochs=2).fit(resumed, ckpt_path=path)
+    ref = LitConv(one_process=True, n=8)
+    _single_trainer(max_epochs=2, **_ONE_PROCESS).fit(ref)
+    assert _worst(_full(resumed), _full(ref)) < 1e-5
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_parameters_fully_shard_refuses_raise_at_setup():
+    for extra, match in [
+        ("scalar", "parameter 'extra' is 0-dim"),
+        ("int", "parameter 'extra' has dtype torch.int64"),
+        ("complex", r"parameter 'extra' has dtype torch.complex64.*view_as_real"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _trainer(max_steps=1).fit(LitConv(extra=extra))

@@ -334,3 +334,40 @@ def test_parameters_fully_shard_refuses_raise_at_setup():
     ]:
         with pytest.raises(ValueError, match=match):
             _trainer(max_steps=1).fit(LitConv(extra=extra))
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_precision_64_true_under_tensor_parallel_trains_like_one_process():
+    from tests.test_trainer_features import _full as full_params
+    from tests.test_trainer_flows import _fit_both
+
+    ours, ref = _fit_both("llama", 2, precision="64-true", max_steps=5)  # TP 2: the automatic plan on a Llama
+    assert all(p.dtype == torch.float64 for p in ours.parameters())
+    assert _worst(full_params(ours), full_params(ref)) < 1e-12
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_fabric_precision_64_true_trains_like_one_process():
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp", precision="64-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model).double()
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    rank = dist.get_rank()
+    for x, y in _data((3, 8, 8), 4):
+        out = model(x.chunk(2)[rank])
+        assert out.dtype == torch.float32  # outputs come back in the default dtype, as Fabric's DoublePrecision
+        opt.zero_grad()
+        fabric.backward(F.cross_entropy(out, y.chunk(2)[rank]))
+        opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x.double()).float(), y).backward()
+        ref_opt.step()
+    ours = {n.removeprefix("_forward_module."): p for n, p in _full(model).items()}
+    assert all(p.dtype == torch.float64 for p in ours.values())
+    assert _worst(ours, _full(ref)) < 1e-12

@@ -35,6 +35,10 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: CODE_F16,
 }
 
+# Dtypes the staging ops accept but no kernel handles: their copies take the plain-torch reference path (a
+# float64 model trains in float64; the kernels' float32 arithmetic would round its gradients).
+REFERENCE_ONLY_DTYPES: tuple[torch.dtype, ...] = (torch.float64,)
+
 
 def f32_bits_to_bf16(u):
     """float32 bits (int, 0 <= u < 2**32) -> bfloat16 bits, round-to-nearest-even.

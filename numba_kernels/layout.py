@@ -254,11 +254,11 @@ class GroupLayout:
 
         >>> GroupLayout([(4, 4)], 2).warm("cpu", torch.bfloat16, torch.float32)
         """
-        from ._casts import DTYPE_CODES
+        from ._casts import DTYPE_CODES, REFERENCE_ONLY_DTYPES
 
         for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if dt not in DTYPE_CODES:
-                raise ValueError(f"GroupLayout.warm: {name}={dt} is not one of float32, bfloat16, float16")
+            if dt not in DTYPE_CODES and dt not in REFERENCE_ONLY_DTYPES:
+                raise ValueError(f"GroupLayout.warm: {name}={dt} is not one of float32, bfloat16, float16, float64")
         dev = torch.device(device)
         for op in ("agin_flat", "agout", "rsin", "post"):
             self._table(op)

@@ -28,7 +28,7 @@ import torch
 
 from . import cpu as _cpu
 from . import reference as _ref
-from ._casts import DTYPE_CODES
+from ._casts import DTYPE_CODES, REFERENCE_ONLY_DTYPES
 from .layout import GroupLayout
 
 _IMPLS = ("auto", "cpu", "cuda", "reference")
@@ -62,8 +62,8 @@ def _fmt(shape: Any) -> str:
 def _check_tensor(op: str, name: str, t: Any, device: torch.device | None) -> torch.device:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in DTYPE_CODES:
-        raise ValueError(f"{op}: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+    if t.dtype not in DTYPE_CODES and t.dtype not in REFERENCE_ONLY_DTYPES:
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16, float64")
     if not t.is_contiguous():
         raise ValueError(f"{op}: {name} is not contiguous (stride {t.stride()}); pass .contiguous()")
     if device is not None and t.device != device:
@@ -105,9 +105,20 @@ def _check_list(
     return dtype, device
 
 
-def _resolve_impl(op: str, impl: str, device: torch.device | None) -> str:
+def _resolve_impl(op: str, impl: str, device: torch.device | None, dtypes: dict[str, torch.dtype | None]) -> str:
+    """The implementation to run: ``auto`` picks the device's kernels, or torch's reference when one of the
+    named tensors' ``dtypes`` has no kernel (float64); an explicit kernel for such a dtype raises."""
     if impl not in _IMPLS:
         raise ValueError(f"{op}: impl={impl!r} is not one of {_IMPLS}")
+    no_kernel = {name: dt for name, dt in dtypes.items() if dt is not None and dt not in DTYPE_CODES}
+    if no_kernel and impl in ("auto", "reference"):
+        return "reference"
+    if no_kernel:
+        name, dt = next(iter(no_kernel.items()))
+        raise ValueError(
+            f"{op}: {name} has dtype {dt}, which no kernel handles (float32, bfloat16, float16); "
+            "impl='auto' or 'reference' copies it with torch"
+        )
     dev_type = "cpu" if device is None else device.type
     if impl == "auto":
         return "cuda" if dev_type == "cuda" else "cpu"
@@ -242,9 +253,10 @@ def all_gather_copy_in(
     if flat:
         _check_tensor(op, "sharded", sharded, device)
         _check_flat(op, "sharded", sharded, ((S,),))
+        src_dtype = sharded.dtype
     else:
-        _check_list(op, "sharded", sharded, layout, lambda i: layout.local_shape(i, rank), device)
-    impl = _resolve_impl(op, impl, device)
+        src_dtype, _ = _check_list(op, "sharded", sharded, layout, lambda i: layout.local_shape(i, rank), device)
+    impl = _resolve_impl(op, impl, device, {"out": out.dtype, "sharded": src_dtype})
     if impl == "reference":
         _ref.all_gather_copy_in(layout, sharded, out, rank)
         return
@@ -296,7 +308,7 @@ def all_gather_copy_out(
         out_dtype, _ = _check_list(op, "out", out, layout, lambda i: layout.shapes[i], device)
     if out_dtype is not None and out_dtype != gathered.dtype:
         raise ValueError(f"{op}: out has dtype {out_dtype} but gathered has {gathered.dtype}; no cast here")
-    impl = _resolve_impl(op, impl, device)
+    impl = _resolve_impl(op, impl, device, {"gathered": gathered.dtype})
     if impl == "reference":
         _ref.all_gather_copy_out(layout, gathered, out)
         return
@@ -341,10 +353,11 @@ def reduce_scatter_copy_in(
     if flat:
         _check_tensor(op, "grads", grads, device)
         _check_flat(op, "grads", grads, ((layout.unsharded_numel,),))
+        grads_dtype = grads.dtype
     else:
-        _check_list(op, "grads", grads, layout, lambda i: layout.shapes[i], device, allow_none=True)
+        grads_dtype, _ = _check_list(op, "grads", grads, layout, lambda i: layout.shapes[i], device, allow_none=True)
     predivide = _divisor(op, "predivide", predivide)
-    impl = _resolve_impl(op, impl, device)
+    impl = _resolve_impl(op, impl, device, {"out": out.dtype, "grads": grads_dtype})
     if impl == "reference":
         _ref.reduce_scatter_copy_in(layout, grads, out, predivide=predivide)
         return
@@ -390,7 +403,7 @@ def post_reduce(
     _check_tensor(op, "out", out, device)
     _check_flat(op, "out", out, ((S,),))
     postdivide = _divisor(op, "postdivide", postdivide)
-    impl = _resolve_impl(op, impl, device)
+    impl = _resolve_impl(op, impl, device, {"reduced": reduced.dtype, "out": out.dtype})
     if impl == "reference":
         _ref.post_reduce(layout, reduced, out, postdivide=postdivide, accumulate=accumulate)
         return

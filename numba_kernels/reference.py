@@ -3,8 +3,8 @@
 Readable, slow (a Python loop over parameters and ranks) and obviously right:
 this is what the tests compare the CPU and CUDA kernels against, and it is
 itself checked against ``torch.chunk`` / ``torch.cat`` / ``F.pad`` code in
-``tests/test_kernels.py``. Arithmetic rule: compute in float32, round once to
-the output dtype with ``Tensor.copy_`` (round-to-nearest-even).
+``tests/test_kernels.py``. Arithmetic rule: compute in float32 (float64 for float64
+data), round once to the output dtype with ``Tensor.copy_`` (round-to-nearest-even).
 
 Inputs are assumed valid (``ops.py`` validates before dispatching here).
 
@@ -29,12 +29,14 @@ from .layout import GroupLayout
 
 
 def _f32_div(x: torch.Tensor, divisor: float | None) -> torch.Tensor:
-    x = x.to(torch.float32)
+    # float64 (no kernel takes it) is computed in float64: rounding its gradients to float32 would train a
+    # float64 model at float32 accuracy.
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     if divisor is None:
         return x
-    # An explicit float32 0-dim tensor: division happens in float32 with the
-    # divisor rounded to float32 first, exactly what the kernels do.
-    return x / torch.tensor(divisor, dtype=torch.float32, device=x.device)
+    # An explicit 0-dim tensor of x's dtype: division happens in float32 with the
+    # divisor rounded to float32 first, exactly what the kernels do (float64: in float64).
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
 
 
 def all_gather_copy_in(
@@ -112,5 +114,5 @@ def post_reduce(
     """``out = (out if accumulate else 0) + float32(reduced) / postdivide`` over the flat shard."""
     val = _f32_div(reduced.reshape(-1), postdivide)
     if accumulate:
-        val = out.reshape(-1).to(torch.float32) + val
+        val = out.reshape(-1).to(torch.promote_types(out.dtype, torch.float32)) + val
     out.view(-1).copy_(val)

@@ -8,6 +8,8 @@ precision      master weights              compute / gradient reduction
 "16-mixed"     fp32                        fp16 under autocast / fp32, loss scaled by a sharded gradient scaler
 "bf16-true"    bf16                        bf16 / fp32
 "16-true"      fp16                        fp16 / fp32
+"64-true"      fp64                        fp64 / fp64 (the default dtype is float64 in each step, as in
+                                           Lightning's ``DoublePrecision``)
 =============  ==========================  ==============================================================
 
 "-mixed" means what it means in Lightning: the step runs under ``torch.autocast(device, dtype)``, so the ops
@@ -36,7 +38,7 @@ from lightning_shard import comm
 from lightning_shard.fsdp import MixedPrecisionPolicy
 from lightning_shard.tensor import DTensor
 
-SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "32")
+SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "32", "64")
 
 _POLICIES = {
     "32-true": MixedPrecisionPolicy(),
@@ -44,8 +46,10 @@ _POLICIES = {
     "16-mixed": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
     "bf16-true": MixedPrecisionPolicy(reduce_dtype=torch.float32),
     "16-true": MixedPrecisionPolicy(reduce_dtype=torch.float32),
+    "64-true": MixedPrecisionPolicy(),  # gathered and reduced in float64 (the staging copies take torch's path)
 }
-_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+_ALIASES = {"32": "32-true", "64": "64-true"}
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -84,7 +88,7 @@ class ShardPrecision(Precision):
     """Lightning precision plugin for "shard_fsdp_tp" (see the module docstring)."""
 
     def __init__(self, precision: str, device: str = "cpu") -> None:
-        precision = "32-true" if precision == "32" else precision
+        precision = _ALIASES.get(precision, precision)
         if precision not in _POLICIES:
             raise ValueError(f"shard_fsdp_tp: precision={precision!r} is not supported; use one of {sorted(_POLICIES)}")
         self.precision = precision
@@ -97,7 +101,10 @@ class ShardPrecision(Precision):
 
     def forward_context(self):
         """``torch.autocast(device, dtype)`` for the "-mixed" precisions (around every step, as Lightning's
-        ``MixedPrecision`` does), nothing otherwise."""
+        ``MixedPrecision`` does); for "64-true" float64 as the default dtype, as Lightning's ``DoublePrecision``
+        does (a tensor a step creates without a dtype is float64, as on one device); nothing otherwise."""
+        if self.precision == "64-true":
+            return _default_dtype(torch.float64)
         dtype = _AUTOCAST_DTYPES.get(self.precision)
         return torch.autocast(self.device, dtype=dtype) if dtype is not None else nullcontext()
 

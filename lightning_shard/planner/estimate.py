@@ -84,6 +84,8 @@ _PRECISIONS = {
     "16-mixed": (torch.float32, torch.float16, torch.float32),
     "bf16-true": (torch.bfloat16, torch.bfloat16, torch.float32),
     "16-true": (torch.float16, torch.float16, torch.float32),
+    "64-true": (torch.float64, torch.float64, torch.float64),
+    "64": (torch.float64, torch.float64, torch.float64),
 }
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0}
 

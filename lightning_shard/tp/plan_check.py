@@ -108,8 +108,9 @@ def _consume(watch: _Watch, fqn: str, args: tuple) -> None:
 def _annotate(watch: _Watch, fqn: str, module: nn.Module, out) -> None:
     """On the exception path (torch calls ``always_call`` hooks with ``None`` inside its ``except``), add the
     note once, in the innermost watched module, and forget the forward's records."""
-    error = sys.exc_info()[1]
-    if out is not None or error is None:
+    # ``out`` first: the normal path reads no exception state (cheap, and nothing torch.compile has to trace)
+    error = None if out is not None else sys.exc_info()[1]
+    if error is None:
         if fqn == "":  # the whole module's forward ran: its records are of no later error
             watch.pending.clear()
             watch.orphans.clear()

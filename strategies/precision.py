@@ -101,10 +101,12 @@ class ShardPrecision(Precision):
 
     def forward_context(self):
         """``torch.autocast(device, dtype)`` for the "-mixed" precisions (around every step, as Lightning's
-        ``MixedPrecision`` does); for "64-true" float64 as the default dtype, as Lightning's ``DoublePrecision``
-        does (a tensor a step creates without a dtype is float64, as on one device); nothing otherwise."""
-        if self.precision == "64-true":
-            return _default_dtype(torch.float64)
+        ``MixedPrecision`` does); for the "-true" precisions their dtype as the default dtype, as Lightning's
+        ``HalfPrecision`` and ``DoublePrecision`` do (a tensor a step creates without a dtype is bfloat16,
+        float16 or float64, as on one device); nothing for "32-true"."""
+        true_dtype = _TRUE_DTYPES.get(self.precision)
+        if true_dtype is not None:
+            return _default_dtype(true_dtype)
         dtype = _AUTOCAST_DTYPES.get(self.precision)
         return torch.autocast(self.device, dtype=dtype) if dtype is not None else nullcontext()
 

@@ -107,3 +107,29 @@ def test_fabric_bf16_mixed_first_loss_matches_ddp_autocast():
     assert autocast_seen == [True]
     _check_first_loss(x, y, loss.dtype, loss.item())
     fabric.backward(loss)
+
+
+class RecordsDefaultDtype(LitClassifier):
+    """A step that makes a tensor without a dtype (a mask, noise, a constant), as user code does."""
+
+    def training_step(self, batch, batch_idx):
+        self.made = torch.ones(1).dtype
+        return super().training_step(batch, batch_idx)
+
+
+def _default_dtype_in_a_step(precision: str, **trainer_kwargs) -> torch.dtype:
+    module = RecordsDefaultDtype()
+    L.Trainer(max_steps=1, precision=precision, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs).fit(module)  # fmt: skip
+    return module.made
+
+
+@distributed(world_size=2)
+def test_true_precisions_make_step_tensors_in_their_dtype_as_on_one_device():
+    # Lightning's HalfPrecision / DoublePrecision (one device, DDP) make the "-true" dtype the default inside a step
+    for precision, dtype in (("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)):
+        one_device = _default_dtype_in_a_step(precision, accelerator="cpu", devices=1)
+        assert one_device == dtype, (precision, one_device)
+        ours = _default_dtype_in_a_step(precision, accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
+        assert ours == one_device, (precision, ours)
+        assert torch.get_default_dtype() == torch.float32  # restored after the step

@@ -337,3 +337,19 @@ def test_gradient_penalty_through_the_trainer_tp():
 def test_two_manual_backwards_and_checkpointed_siamese_through_the_trainer():
     _fit_like_one_process("two manual backwards")
     _fit_like_one_process("siamese", activation_checkpointing_policy={nn.Sequential})
+
+
+@distributed(world_size=2)
+def test_unsharded_after_backward_then_optimizer_steps_train_like_one_process():
+    # set_reshard_after_backward(False) keeps the gathered parameters for the next forward; an optimizer step in
+    # between updates the shards, so that forward must gather again, not reuse the values from before the step
+    ref, model = _both("fsdp")
+    model.set_reshard_after_backward(False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for step in range(3):
+        x = _data(seed=step)
+        for m, opt, batch in ((ref, opts[0], x), (model, opts[1], _local(x, "fsdp"))):
+            opt.zero_grad()
+            (m(batch) ** 2).mean().backward()
+            opt.step()
+    _assert_close(_params(model), _params(ref), TOL["fsdp"])

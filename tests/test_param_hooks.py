@@ -149,3 +149,82 @@ def test_gradient_hooks_more_cases(mesh_kind, kind, when, accumulate, offload):
 @distributed(world_size=4)
 def test_gradient_hooks_fsdp_x_tp(kind, when):
     _check("fsdp_tp", kind, when)
+
+
+# ------------------------------------------------------------------------------------------------ module hooks
+def _add_module_hooks(model) -> None:
+    """Forward pre-hooks (with kwargs) and forward hooks changing inputs and outputs, full backward (pre-)hooks
+    changing gradients, on modules that are FSDP units, inside units, and TP-sharded."""
+    first, second = model.layers
+    first.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 1.5,), kwargs), with_kwargs=True)
+    first.feed_forward.register_forward_hook(lambda m, args, out: out * 0.7)
+    first.attention.register_forward_pre_hook(lambda m, args: (args[0] * 0.9, *args[1:]))
+    second.feed_forward.register_full_backward_hook(lambda m, gin, gout: tuple(g * 2.0 for g in gin))
+    second.register_full_backward_pre_hook(lambda m, gout: tuple(g * 0.5 for g in gout))
+    model.norm.register_forward_hook(lambda m, args, out: out + 0.1)
+
+
+def _train_module_hooks(model, rank: int, size: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scale_linears = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: out * 1.01 if isinstance(m, torch.nn.Linear) else None
+    )
+    try:
+        for x, y in batches(3, 4):
+            with torch.autograd.graph.save_on_cpu():  # user activation offloading
+                loss = loss_fn(model, rank_slice(x, rank, size), rank_slice(y, rank, size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        scale_linears.remove()
+
+
+def _check_module_hooks(mesh_kind: str, when: str) -> None:
+    torch.manual_seed(0)
+    model = tp_models.Llama()
+    plain, ref = copy.deepcopy(model), copy.deepcopy(model)
+    _add_module_hooks(ref)
+    _train_module_hooks(ref, 0, 1)
+    _train_module_hooks(plain, 0, 1)
+    if when == "before":
+        _add_module_hooks(model)
+    rank, size = _shard(model, mesh_kind)
+    if when == "after":
+        _add_module_hooks(model)
+    _train_module_hooks(model, rank, size)
+    ours, theirs = full_state(model), full_state(ref)
+    assert max_diff(theirs, full_state(plain)) > 1e-3  # the hooks changed training: equality says something
+    assert max_diff(ours, theirs) < (1e-5 if mesh_kind == "fsdp" else 5e-5)
+
+
+@distributed(world_size=2)
+def test_module_hooks_and_saved_tensor_hooks_fsdp():
+    _check_module_hooks("fsdp", "before")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mesh_kind", "when"), [("fsdp", "after"), ("tp", "before"), ("tp", "after")])
+@distributed(world_size=2)
+def test_module_hooks_more_cases(mesh_kind, when):
+    _check_module_hooks(mesh_kind, when)
+
+
+@distributed(world_size=2)
+def test_state_dict_hooks_run_on_sharded_model():
+    """``set_model_state_dict`` copies into the shards without ``load_state_dict``: the modules' load post-hooks
+    were skipped, silently."""
+    from lightning_shard.checkpoint import get_model_state_dict, set_model_state_dict
+
+    torch.manual_seed(0)
+    model = tp_models.Llama()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    log = []
+    model.layers[0].register_state_dict_pre_hook(lambda m, prefix, keep_vars: log.append(("save", prefix)))
+    model.layers[0].register_load_state_dict_post_hook(lambda m, keys: log.append(("load", keys.missing_keys)))
+    _shard(model, "fsdp")
+    assert get_model_state_dict(model, full_state_dict=True).keys() == full.keys()
+    assert log == [("save", "layers.0.")]
+    log.clear()
+    set_model_state_dict(model, {k: v for k, v in full.items() if k != "norm.weight"}, strict=False)
+    assert ("load", ["norm.weight"]) in log

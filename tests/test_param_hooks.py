@@ -18,6 +18,7 @@ from lightning_shard.tp import auto_tp_plan, parallelize_module
 from tests import tp_models
 from tests.fsdp_models import batches, full_state, loss_fn, max_diff, rank_slice
 from tests.harness import distributed
+from tests.lightning_models import LitGPT, _seeded_model, dataset, sampler_batches
 
 CLAMP, MICRO = 2e-3, 2
 
@@ -228,3 +229,48 @@ def test_state_dict_hooks_run_on_sharded_model():
     log.clear()
     set_model_state_dict(model, {k: v for k, v in full.items() if k != "norm.weight"}, strict=False)
     assert ("load", ["norm.weight"]) in log
+
+
+# ------------------------------------------------------------------------------------------------ through the Trainer
+class _LitOptimizerInBackward(LitGPT):
+    """Manual optimization whose ``training_step`` only calls ``manual_backward``: one SGD per parameter steps in
+    its post-accumulate-grad hook, registered once the strategy sharded the model."""
+
+    def __init__(self, arch: str) -> None:
+        super().__init__(arch=arch)
+        self.automatic_optimization = False
+
+    def on_train_start(self) -> None:
+        _add_hooks(self.model, "optim", {"last": True}, [])
+
+    def training_step(self, batch, batch_idx):
+        self.manual_backward(loss_fn(self.model, *batch))
+
+    def configure_optimizers(self):
+        return None
+
+
+def _reference_optimizer_in_backward(arch: str, steps: int, world: int) -> dict[str, torch.Tensor]:
+    model = _seeded_model(arch)
+    _add_hooks(model, "optim", {"last": True}, [])
+    data, order = dataset(), iter(sampler_batches(world, 4))
+    for _ in range(steps):
+        loss_fn(model, *data[next(order)]).backward()
+    return full_state(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+@distributed(world_size=2)
+def test_optimizer_in_backward_through_trainer(tp):
+    import strategies
+    from tests.test_strategy import _trainer
+
+    module = _LitOptimizerInBackward("gpt" if tp == 1 else "llama")
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=tp)
+    trainer = _trainer(strategy=strategy, max_steps=-1, max_epochs=1, limit_train_batches=3)
+    trainer.fit(module)
+    ref = _reference_optimizer_in_backward(module.arch, 3, dist.get_world_size() // tp)
+    ours = full_state(module.model)
+    assert max_diff(ref, full_state(_seeded_model(module.arch))) > 1e-3
+    assert max_diff(ours, ref) < (1e-5 if tp == 1 else 5e-5)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor as TorchDTensor
+from torch.nn.modules.module import _IncompatibleKeys
 
 from lightning_shard.checkpoint._interop import from_torch
 from lightning_shard.checkpoint._validate import Problems, castable, describe
@@ -210,6 +211,25 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
                 _copy_into(target, state_dict[key])
             else:
                 _set_extra_state(model, key, state_dict[key])
+    missing = [k for k in targets if k not in state_dict]
+    _run_load_post_hooks(model, missing, [k for k in state_dict if k not in targets])
+
+
+def _run_load_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """The modules' ``register_load_state_dict_post_hook`` hooks, as ``model.load_state_dict`` runs them after
+    loading (children first); torch's ``set_model_state_dict`` goes through ``load_state_dict`` and so runs them.
+    Without this, a hook that re-ties weights or recomputes a buffer from the loaded values was skipped, silently.
+    (Load *pre*-hooks, which rewrite old checkpoints' keys, do not run: the keys are checked as given.)"""
+    incompatible = _IncompatibleKeys(missing, unexpected)
+    for module in _children_first(model):
+        for hook in module._load_state_dict_post_hooks.values():
+            hook(module, incompatible)
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
 
 
 def _set_extra_state(model: nn.Module, key: str, value: Any) -> None:

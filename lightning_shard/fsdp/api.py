@@ -30,6 +30,7 @@ from lightning_shard.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from lightning_shard.fsdp.state import FSDPState
 from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor import DTensor
+from lightning_shard.tensor.grad_hooks import carry_over_grad_hooks
 
 __all__ = ["fully_shard", "FSDPModule", "summon_full_params", "UnshardHandle"]
 
@@ -193,6 +194,8 @@ def fully_shard(
     group = FSDPParamGroup(params, originals, mesh_info, mp_policy, offload_policy, device) if params else None
     if group is not None:
         install_max_norm_hooks(group)  # embeddings whose forward renormalises their weight in place
+        for fp, original in zip(params, registered):  # gradient hooks registered before sharding
+            carry_over_grad_hooks(original, fp.sharded)
     _mark_taken(modules, params, registered)
     state = FSDPState(modules, group, mp_policy, bool(reshard))
     if group is not None:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from torch import nn
 
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data, same_storage
-from lightning_shard.fsdp import buffers, collectives
+from lightning_shard.fsdp import buffers, collectives, grad_hooks
 from lightning_shard.fsdp.optimizer_guard import mark_unsharded, register_before_step
 from lightning_shard.fsdp.param import BUILT_ON_META, FSDPParam
 from lightning_shard.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -150,6 +151,7 @@ class GradientPresence:
         self.n = n
         self.pending: list[tuple[object, torch.Tensor, MeshInfo]] = []
         self.fresh: list[bool] | None = None  # per parameter: no ``.grad`` before this backward's reductions
+        self.anywhere: torch.Tensor | None = None  # the flags waited for so far in this backward
 
     def start(self, local: list[bool], mesh_info: MeshInfo, device: torch.device) -> None:
         flags = torch.tensor(local, dtype=torch.int32).to(device, non_blocking=True)
@@ -160,22 +162,31 @@ class GradientPresence:
         if self.fresh is None:
             self.fresh = fresh
 
-    def finish(self) -> list[int]:
-        """The indices of the parameters whose ``.grad`` must go back to None (no rank had a gradient)."""
+    def _resolve(self) -> torch.Tensor | None:
+        """Wait for the flags issued so far and fold them into ``anywhere`` (max over this backward)."""
         pending, self.pending = self.pending, []
-        fresh, self.fresh = self.fresh, None
-        if not pending:
-            return []
-        anywhere = None
         for work, flags, mesh_info in pending:
             if work is not None:
                 work.wait()
             if mesh_info.replicate_group is not None:  # HSDP: and across replicas
                 comm.all_reduce_flags(flags, mesh_info.replicate_group)
-            anywhere = flags if anywhere is None else torch.maximum(anywhere, flags)
-        if fresh is None or not has_data(anywhere):
+            self.anywhere = flags if self.anywhere is None else torch.maximum(self.anywhere, flags)
+        return self.anywhere
+
+    def used(self) -> list[bool] | None:
+        """Per parameter, whether any rank computed a gradient in the reductions of this backward so far; None
+        before any reduction, or with the simulator's fake tensors (no values)."""
+        anywhere = self._resolve()
+        if anywhere is None or not has_data(anywhere):
+            return None
+        return [bool(v) for v in anywhere.tolist()]
+
+    def finish(self) -> list[int]:
+        """The indices of the parameters whose ``.grad`` must go back to None (no rank had a gradient)."""
+        used = self.used()
+        fresh, self.fresh, self.anywhere = self.fresh, None, None
+        if fresh is None or used is None:
             return []  # no reduction finished (nothing assigned), or the simulator's fake tensors: no values
-        used = anywhere.tolist()
         return [i for i in range(self.n) if fresh[i] and not used[i]]
 
 
@@ -223,6 +234,8 @@ class FSDPParamGroup:
         self.accumulated_grads: list[torch.Tensor | None] | None = None  # no-sync micro-batches
         # Which parameters got a gradient on any rank in this backward (``GradientPresence``).
         self.presence = GradientPresence(len(params))
+        self.reduced_in_backward = False  # a reduction finished since the last end of backward (grad_hooks)
+        self._warned_no_sync = False  # register_hook hooks reduce without gradient sync too: warned once
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.post_forward: PostForwardShard | None = None  # reshard_after_forward=<int> (configure_post_forward)
@@ -483,7 +496,7 @@ class FSDPParamGroup:
             self.accumulated_grads = None
         if not any(g is not None for g in grads):
             return
-        if not self.requires_gradient_sync:
+        if not self.requires_gradient_sync and not self._reduce_despite_no_sync():
             self.accumulated_grads = grads
             return
         self.finish_reduce()  # at most one reduce-scatter in flight per group
@@ -498,6 +511,21 @@ class FSDPParamGroup:
             predivide,
             output=self._direct_reduce_output(),
         )
+
+    def _reduce_despite_no_sync(self) -> bool:
+        """Whether a backward without gradient sync reduces anyway: ``register_hook`` hooks (``grad_hooks``) get
+        each backward's reduced gradient, as one device gives a leaf's hooks each micro-batch's gradient; run on
+        the sum of the micro-batches, a hook that is not linear (clamping) gave another result, silently."""
+        hooked = [fp.fqn for fp in self.params if grad_hooks.has_tensor_hooks(fp.sharded)]
+        if hooked and not self._warned_no_sync:
+            self._warned_no_sync = True
+            warnings.warn(
+                f"fully_shard: parameters with register_hook hooks ({', '.join(hooked[:3])}, ...) are reduced in every "
+                "backward, also after set_requires_gradient_sync(False): their hooks get each backward's gradient, "
+                "as on one device. Use register_post_accumulate_grad_hook to act once per synced backward.",
+                stacklevel=2,
+            )
+        return bool(hooked)
 
     def drop_unreduced_grads(self) -> None:
         """Forget the gradients not yet reduced into the sharded ``.grad``: the no-sync accumulation and the
@@ -514,7 +542,8 @@ class FSDPParamGroup:
         choice = GradientBufferChoice(
             casts=self.reduce_dtype != self.orig_dtype,
             offloads=self.shard_device != self.device,
-            has_grads=any(fp.sharded.grad is not None for fp in self.params),
+            # register_hook hooks get this backward's gradient alone: reduced apart from .grad (finish_reduce)
+            has_grads=any(fp.sharded.grad is not None or grad_hooks.has_tensor_hooks(fp.sharded) for fp in self.params),
             reduces_in_place=comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group),
         )
         return self._new_grad_flat() if choice.direct else None
@@ -524,17 +553,48 @@ class FSDPParamGroup:
         if self.pending_reduce is None:
             return
         handle, self.pending_reduce = self.pending_reduce, None
+        self.reduced_in_backward = True
         if handle.output is self.grad_flat:  # the reduce-scatter wrote straight into a new gradient buffer
             grad_flat, accumulate = handle.output, False
         else:
             grad_flat, accumulate = self._gradient_target()
         _, postdivide = self._divide_factors()
-        event = collectives.finish_reduce_scatter(
-            self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group, self.handle
-        )
-        self.grad_offload_event = event or self.grad_offload_event
+        if any(grad_hooks.has_tensor_hooks(fp.sharded) for fp in self.params):
+            self._finish_reduce_through_hooks(handle, grad_flat, postdivide, accumulate)
+        else:
+            event = collectives.finish_reduce_scatter(
+                self.layout, handle, grad_flat, postdivide, accumulate, self.mesh_info.replicate_group, self.handle
+            )
+            self.grad_offload_event = event or self.grad_offload_event
         self.presence.note_fresh([fp.requires_grad and fp.sharded.grad is None for fp in self.params])
         self._assign_grads(grad_flat)
+
+    def _finish_reduce_through_hooks(
+        self, handle: collectives.CollectiveHandle, grad_flat: torch.Tensor, postdivide: float | None, accumulate: bool
+    ) -> None:
+        """``finish_reduce`` for a group with ``register_hook`` hooks (``grad_hooks``): the reduced shard goes to a
+        buffer of its own, each hooked parameter's part runs through its hooks as a DTensor placed like the
+        parameter, and the result is then added to (or becomes) ``.grad``. Only parameters some rank computed a
+        gradient for reach the hooks, as on one device; so the presence flags are waited for here."""
+        fresh = buffers.empty(self.layout.shard_numel, self.orig_dtype, grad_flat.device)
+        event = collectives.finish_reduce_scatter(
+            self.layout, handle, fresh, postdivide, False, self.mesh_info.replicate_group, self.handle
+        )
+        if event is not None:  # the hooks read the host copy now
+            self.handle.wait_event(event)
+        used = self.presence.used()
+        for i, fp in enumerate(self.params):
+            if not (fp.requires_grad and grad_hooks.has_tensor_hooks(fp.sharded)) or (used is not None and not used[i]):
+                continue
+            local = self._local_view(fresh, i)
+            grad = DTensor(local, fp.sharded._spec, requires_grad=False)
+            out = grad_hooks.run_tensor_hooks(fp.sharded, grad)
+            if out is not grad:  # a returned replacement (an in-place change is in ``local`` already)
+                local.copy_(grad_hooks.as_local_gradient(out, fp.sharded, fp.fqn))
+        if accumulate:
+            grad_flat.add_(fresh)
+        else:
+            grad_flat.copy_(fresh)
 
     def wait_for_gradients(self) -> None:
         """End of backward: the compute stream waits for the reduce stream, and the host for the last
@@ -543,8 +603,19 @@ class FSDPParamGroup:
         if self.grad_offload_event is not None:
             self.handle.wait_event(self.grad_offload_event)
             self.grad_offload_event = None
+        used = self.presence.used()
         for i in self.presence.finish():
             self.params[i].sharded.grad = None  # no rank computed one: leave it None, as one device does
+        if self.reduced_in_backward:
+            self.reduced_in_backward = False
+            self._run_post_accumulate_hooks(used)
+
+    def _run_post_accumulate_hooks(self, used: list[bool] | None) -> None:
+        """The parameters' post-accumulate-grad hooks (``grad_hooks``), once their ``.grad`` holds this backward's
+        reduced gradient: for those some rank computed a gradient for (``used``; None: no flags, all)."""
+        for i, fp in enumerate(self.params):
+            if fp.sharded.grad is not None and (used is None or used[i]):
+                grad_hooks.run_post_accumulate_hooks(fp.sharded)
 
     def _divide_factors(self) -> tuple[float | None, float | None]:
         return collectives.divide_factors(self.mesh_info.mesh.size(), self.reduce_dtype)

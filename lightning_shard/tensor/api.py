@@ -12,6 +12,7 @@ from lightning_shard.device import same_storage
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor._layout import check_placements
 from lightning_shard.tensor.dtensor import DTensor
+from lightning_shard.tensor.grad_hooks import carry_over_grad_hooks
 from lightning_shard.tensor.placements import Placement, Replicate
 from lightning_shard.tensor.redistribute import redistribute_local
 from lightning_shard.tensor.spec import DTensorSpec
@@ -88,7 +89,9 @@ def _replicate_plain_tensors(module: nn.Module, mesh: DeviceMesh) -> None:
     for key, param in list(module._parameters.items()):
         if param is not None and not isinstance(param, DTensor):
             dt = distribute_tensor(param.data, mesh, src_data_rank=None)
-            module.register_parameter(key, nn.Parameter(dt, requires_grad=param.requires_grad))
+            new = nn.Parameter(dt, requires_grad=param.requires_grad)
+            carry_over_grad_hooks(param, new)  # the user's register_hook / post-accumulate-grad hooks
+            module.register_parameter(key, new)
     for key, buf in list(module._buffers.items()):
         if buf is not None and not isinstance(buf, DTensor):
             module._buffers[key] = distribute_tensor(buf, mesh, src_data_rank=None)

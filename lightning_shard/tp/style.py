@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from lightning_shard.tensor.grad_hooks import carry_over_grad_hooks
 
 __all__ = [
     "ParallelStyle",
@@ -58,7 +59,9 @@ def _shard_params(module: nn.Module, placements: dict[str, tuple[Placement, ...]
         if param is None or isinstance(param, DTensor):
             continue  # already distributed (a tied parameter distributed through another module)
         dt = distribute_tensor(param.detach(), mesh, pl, src_data_rank=src)
-        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        new = nn.Parameter(dt, requires_grad=param.requires_grad)
+        carry_over_grad_hooks(param, new)  # the user's register_hook / post-accumulate-grad hooks
+        module.register_parameter(name, new)
 
 
 def _type_name(module: nn.Module) -> str:

@@ -106,7 +106,8 @@ class FSDPModule:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False: keep parameters unsharded after backward (only useful without an optimizer step between)."""
+        """False: keep parameters unsharded after backward, for the next forward (gradient accumulation); an
+        optimizer step in between reshards them first, so the forward after it gathers the updated weights."""
         for state in self._states(recurse):
             if state.group is not None:
                 state.group.reshard_after_backward = reshard_after_backward

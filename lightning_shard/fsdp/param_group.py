@@ -410,6 +410,13 @@ class FSDPParamGroup:
             self.held_for_graph = True
             _HELD_FOR_GRAPH.add(self)
 
+    def reshard_before_next_step(self) -> None:
+        """Left unsharded after backward (``reshard_after_backward=False``, for the next micro-batch's forward):
+        the next optimizer step reshards it first. The step writes the shards; a forward after it reusing the
+        values gathered before it trained on stale weights with no error."""
+        if self.is_unsharded:
+            _RESHARD_BEFORE_STEP.add(self)
+
     def release_graph(self) -> None:
         """Stop holding the unsharded parameters for a graph; the next ``reshard`` frees them."""
         self.held_for_graph = False
@@ -580,7 +587,10 @@ class FSDPParamGroup:
         event = collectives.finish_reduce_scatter(
             self.layout, handle, fresh, postdivide, False, self.mesh_info.replicate_group, self.handle
         )
-        if event is not None:  # the hooks read the host copy now
+        # The hooks read ``fresh`` now, on the compute stream: on an accelerator the reduce stream writes it
+        # (finish_reduce_scatter), so wait for that stream first; under CPU offload for the host copy.
+        self.handle.wait_stream(self.handle.current_stream(), collectives.reduce_stream(self.handle))
+        if event is not None:
             self.handle.wait_event(event)
         used = self.presence.used()
         for i, fp in enumerate(self.params):
@@ -679,22 +689,29 @@ class FSDPParamGroup:
         )
 
 
-# Groups holding their unsharded parameters for a recorded graph; an optimizer step reshards them (below).
+# Groups an optimizer step reshards first (below): those holding their unsharded parameters for a recorded graph,
+# and those left unsharded after backward.
 _HELD_FOR_GRAPH: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
+_RESHARD_BEFORE_STEP: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
 
 
-def _reshard_groups_held_for_graph() -> None:
-    """Before any optimizer step: reshard the groups kept unsharded for a graph (``hold_for_graph``).
+def _reshard_before_optimizer_step() -> None:
+    """Before any optimizer step: reshard the groups kept unsharded past their backward (``hold_for_graph``,
+    ``reshard_before_next_step``).
 
     The step writes the sharded parameters; unsharded copies gathered before it would otherwise be reused by
-    the next forward with the old values (a ``loss.backward(create_graph=True)`` step trained on stale weights
-    with no error). A graph recorded before the step is stale on one device too."""
+    the next forward with the old values (a ``loss.backward(create_graph=True)`` step, or one after
+    ``set_reshard_after_backward(False)``, trained on stale weights with no error). A graph recorded before the
+    step is stale on one device too."""
     for group in list(_HELD_FOR_GRAPH):
         group.release_graph()
         group.reshard()
+    for group in list(_RESHARD_BEFORE_STEP):
+        group.reshard()
+    _RESHARD_BEFORE_STEP.clear()
 
 
-register_before_step(_reshard_groups_held_for_graph)
+register_before_step(_reshard_before_optimizer_step)
 
 
 def _register_grad_hook(param: nn.Parameter, hook: Callable[[torch.Tensor], None]) -> None:

@@ -328,6 +328,8 @@ class FSDPState:
                 group.finish_reduce()
                 if group.reshard_after_backward:
                     group.reshard()
+                else:
+                    group.reshard_before_next_step()
             state.unit.on("end_backward")
         for state in self.all_states:
             if state.group is not None:

@@ -59,6 +59,7 @@ from lightning_shard.checkpoint import (
 )
 from lightning_shard.checkpoint.state_dict import check_param_groups
 from lightning_shard.fsdp import FSDPModule, check_optimizer_params
+from lightning_shard.fsdp.optimizer_guard import unsharded_fqn
 from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
@@ -296,14 +297,17 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        check_optimizer_params(optimizer)  # built between a forward and its backward: names the parameter
-        plain = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if not isinstance(p, DTensor)]
+        # Parameters the sharding replaced (the optimizer was built before setup_module) get the Fabric fix;
+        # unsharded temporaries (built between a forward and its backward) the engine's check, which names one.
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        plain = [tuple(p.shape) for p in params if not isinstance(p, DTensor) and unsharded_fqn(p) is None]
         if plain:
             raise ValueError(
                 f"shard_fsdp_tp (Fabric): the optimizer holds {len(plain)} parameters that are not sharded (shapes "
                 f"{plain[:3]}); it would update copies the model no longer uses. Create the optimizer after "
                 "`model = fabric.setup_module(model)`, or pass both to `fabric.setup(model, optimizer)`"
             )
+        check_optimizer_params(optimizer)
         return optimizer
 
     # ------------------------------------------------------------------ gradients

@@ -109,3 +109,18 @@ def test_trainer_optimizer_built_after_a_forward_in_configure_optimizers_is_refu
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"SGD param group 0 holds the unsharded parameter '[\w.]+'"):
         trainer.fit(ForwardFirst())
+
+
+@distributed(world_size=2)
+def test_optimizer_built_before_fully_shard_is_refused_at_step():
+    # fully_shard registers new (sharded) parameters; an optimizer over the replaced ones steps parameters that
+    # never get a gradient again: no training, no error
+    model = make_model(0)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x, y = _local_batch()
+    loss_fn(model, x, y).backward()
+    with pytest.raises(ValueError, match="embed.weight.*fully_shard.TinyGPT. replaced.*built before fully_shard"):
+        early.step()

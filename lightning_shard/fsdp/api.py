@@ -23,7 +23,7 @@ from torch import nn
 from lightning_shard import comm
 from lightning_shard.device import handle_for, has_data, same_storage
 from lightning_shard.fsdp.max_norm import install_max_norm_hooks
-from lightning_shard.fsdp.optimizer_guard import install_step_guard
+from lightning_shard.fsdp.optimizer_guard import REPLACED_MARK, install_step_guard
 from lightning_shard.fsdp.param import FSDPParam
 from lightning_shard.fsdp.param_group import FSDPParamGroup, MeshInfo
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -365,7 +365,7 @@ def _check_dense_gradient(module: nn.Module, mod_name: str, fqn: str) -> None:
 # A parameter a fully_shard call took keeps its original object registered wherever that call's modules do not
 # reach (e.g. the other T5Stack, or the root's lm_head). Another call meeting that object would shard a second,
 # independent copy: the tie would break silently. The original is marked so that such a call raises instead.
-_TAKEN = "_ls_fsdp_taken_by"
+_TAKEN = REPLACED_MARK  # the optimizer guard refuses an optimizer holding such a parameter
 
 
 @dataclass(frozen=True)

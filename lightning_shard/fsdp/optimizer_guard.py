@@ -42,13 +42,26 @@ def unsharded_fqn(param: torch.Tensor) -> str | None:
     return getattr(param, _MARK, None)
 
 
+# Set by ``fully_shard`` on each parameter it replaced by a sharded one (``fsdp.api._mark_taken``).
+REPLACED_MARK = "_ls_fsdp_taken_by"
+
+
 def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
-    """Raise if ``optimizer`` holds an unsharded FSDP parameter (see the module docstring).
+    """Raise if ``optimizer`` holds an unsharded FSDP parameter (see the module docstring), or a parameter
+    ``fully_shard`` replaced (the optimizer was built before it).
 
     Example: ``check_optimizer_params(torch.optim.AdamW(model.parameters()))`` -> None when built in time.
     """
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
+            replaced = getattr(p, REPLACED_MARK, None)
+            if replaced is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} param group {i} holds the parameter {replaced.fqn!r} (shape "
+                    f"{tuple(p.shape)}) that {replaced.what} replaced by its sharded parameter: the optimizer was "
+                    "built before fully_shard, so it would step a tensor that gets no gradient and the model would "
+                    "not train. Build the optimizer after fully_shard, from model.parameters()."
+                )
             fqn = unsharded_fqn(p)
             if fqn is not None:
                 raise ValueError(

@@ -218,7 +218,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
 def _run_load_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
     """The modules' ``register_load_state_dict_post_hook`` hooks, as ``model.load_state_dict`` runs them after
     loading (children first); torch's ``set_model_state_dict`` goes through ``load_state_dict`` and so runs them.
-    Without this, a hook that re-ties weights or recomputes a buffer from the loaded values was skipped, silently.
+    Without this, a hook that re-ties weights or recomputes a buffer from the loaded values would be skipped, silently.
     (Load *pre*-hooks, which rewrite old checkpoints' keys, do not run: the keys are checked as given.)"""
     incompatible = _IncompatibleKeys(missing, unexpected)
     for module in _children_first(model):

@@ -3,7 +3,7 @@
 Autograd never sees a sharded parameter: the forward uses the unsharded one, whose gradient the group
 reduce-scatters into the sharded ``.grad`` itself. So autograd would never call hooks registered on the
 sharded parameter (the one ``model.parameters()`` gives outside forward), and a recipe built on them (one
-optimizer per parameter stepped in a post-accumulate-grad hook, "optimizer in backward") trained nothing,
+optimizer per parameter stepped in a post-accumulate-grad hook, "optimizer in backward") would train nothing,
 silently. The group calls them instead, on the reduced gradient, as torch's FSDP2 calls the post-accumulate
 ones after its reduce-scatter:
 

@@ -367,6 +367,6 @@ class _Redistribute(torch.autograd.Function):
 def _builds_graph(grad: torch.Tensor) -> bool:
     """Whether this backward records a graph of ``grad`` (``create_graph=True``: a gradient penalty, a
     Hessian-vector product). Then the backward goes through these autograd Functions again instead of the
-    local tensor, which has no history: a second derivative taken through it was silently missing the terms of
+    local tensor, which has no history: a second derivative taken through it would silently miss the terms of
     every tensor-parallel collective (e.g. ``RowwiseParallel``'s all-reduce)."""
     return torch.is_grad_enabled() and grad.requires_grad

@@ -2,9 +2,9 @@
 
 ``distribute_module``, the tensor-parallel styles and ``fully_shard`` register a new parameter (a DTensor) in
 place of the module's own. Tensor hooks live on the tensor object, so ``p.register_hook(fn)`` and
-``p.register_post_accumulate_grad_hook(fn)`` called on the old parameter were silently lost with it (torch's
+``p.register_post_accumulate_grad_hook(fn)`` called on the old parameter would be silently lost with it (torch's
 ``parallelize_module`` and ``fully_shard`` lose them too): a gradient clip or an optimizer stepped in backward
-stopped working with no error. ``carry_over_grad_hooks`` moves them to the new parameter.
+would stop working with no error. ``carry_over_grad_hooks`` moves them to the new parameter.
 
 Example::
 

@@ -4,8 +4,6 @@ checkpoint code hands collectives only tensors on the device their group serves.
 
 import inspect
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +21,6 @@ from tests.fsdp_models import batches, full_state, loss_fn, make_model, make_opt
 from tests.harness import distributed
 from tests.test_checkpoint import _fsdp, _mesh, _snapshot
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
 
 
@@ -79,7 +76,7 @@ def _assert_same(a, b):
             assert a[k] == b[k], k
 
 
-def test_flipped_byte_is_detected_by_load_and_consolidation(tmp_path):
+def test_flipped_byte_is_detected_by_load_and_consolidation(tmp_path, capsys):
     path = str(tmp_path / "ckpt")
     save(_plain_state(1), path)
     file, offset, length, fqn = _entry(path, "model.w")
@@ -96,10 +93,11 @@ def test_flipped_byte_is_detected_by_load_and_consolidation(tmp_path):
     with pytest.raises(Exception, match=r"__0_0\.distcp.*'model\.w'.*corrupt"):
         consolidate(path, out)
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
-    env = dict(os.environ, PYTHONPATH=_ROOT)
-    cli = [sys.executable, "-m", "lightning_shard.checkpoint.consolidate", path, out]
-    run = subprocess.run(cli, env=env, capture_output=True, text=True)
-    assert run.returncode != 0 and "__0_0.distcp" in run.stderr and "model.w" in run.stderr, run.stderr
+    from lightning_shard.checkpoint._consolidate import main  # the CLI, in-process
+
+    assert main([path, out]) == 1
+    err = capsys.readouterr().err
+    assert "__0_0.distcp" in err and "model.w" in err, err
     assert not os.path.exists(out)
 
 
@@ -151,7 +149,10 @@ def test_dtype_casts_and_missing_entries_say_what_is_wrong(tmp_path):
     assert "another model" not in str(err.value)
 
 
-def test_consolidate_checks_its_output_first(tmp_path):
+def test_consolidate_checks_its_output_first(tmp_path, capsys):
+    from lightning_shard.checkpoint._consolidate import main  # the CLI in-process (test_checkpoint_consolidate.py
+    # runs it as `python -m`)
+
     path = str(tmp_path / "ckpt")
     save(_plain_state(1), path)
     out = tmp_path / "out.pt"
@@ -159,16 +160,13 @@ def test_consolidate_checks_its_output_first(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         consolidate(path, str(out))
     assert out.read_bytes() == b"precious"
-    env = dict(os.environ, PYTHONPATH=_ROOT)
-    cli = [sys.executable, "-m", "lightning_shard.checkpoint.consolidate", path, str(out)]
-    run = subprocess.run(cli, env=env, capture_output=True, text=True)
-    assert run.returncode != 0 and "--overwrite" in run.stderr and out.read_bytes() == b"precious"
-    run = subprocess.run([*cli, "--overwrite"], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    assert main([path, str(out)]) == 1
+    assert "--overwrite" in capsys.readouterr().err and out.read_bytes() == b"precious"
+    assert main([path, str(out), "--overwrite"]) == 0
     assert torch.equal(torch.load(out, weights_only=True)["model"]["w"], _plain_state(1)["model"]["w"])
     os.makedirs(tmp_path / "adir")
-    run = subprocess.run([*cli[:-1], str(tmp_path / "adir")], env=env, capture_output=True, text=True)
-    assert run.returncode != 0 and "is a directory" in run.stderr
+    assert main([path, str(tmp_path / "adir")]) == 1
+    assert "is a directory" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------- 2 ranks

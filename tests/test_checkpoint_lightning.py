@@ -4,8 +4,6 @@ written by Lightning's DDP strategy (index-keyed optimizer state) and ModelParal
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,8 +16,6 @@ from tests.lightning_models import LitGPT, reference_params
 from tests.test_checkpoint_interop_fsdp import epochs, reference
 from tests.test_strategy import _trainer
 from tests.test_strategy_checkpoint import _full_params, _shared_path
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _close(ours: dict, ref: dict, atol: float = 1e-5) -> None:
@@ -55,10 +51,9 @@ def test_load_from_checkpoint_with_a_model_checkpoint_callback(tmp_path):
         for name, p in plain.named_parameters():
             assert torch.equal(p.detach(), expected[name]), name
         out = os.path.join(root, "consolidated.ckpt")
-        env = dict(os.environ, PYTHONPATH=_ROOT)
-        cmd = [sys.executable, "-m", "lightning_shard.checkpoint.consolidate", path, out]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr
+        from lightning_shard.checkpoint._consolidate import main  # the CLI, in-process
+
+        assert main([path, out]) == 0
         ckpt = torch.load(out, weights_only=True)
         assert ckpt["global_step"] == 3 and _has_tensor(ckpt["callbacks"])
         state = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")][0]

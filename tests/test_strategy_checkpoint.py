@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import strategies
+from lightning_shard.checkpoint._consolidate import main as consolidate_cli
 from tests.harness import distributed, run_distributed
 from tests.lightning_models import LitGPT
 from tests.test_strategy import _trainer
@@ -85,9 +86,8 @@ def test_load_from_checkpoint_and_consolidation(two_rank_checkpoint, tmp_path):
         assert torch.equal(p.detach(), expected[name]), name
     # our consolidation CLI: one file, weights_only-readable, with Lightning's loop state merged in
     out = str(tmp_path / "consolidated.ckpt")
-    subprocess.run(
-        [sys.executable, "-m", "lightning_shard.checkpoint.consolidate", two_rank_checkpoint, out], check=True
-    )
+    assert consolidate_cli([two_rank_checkpoint, out]) == 0  # in-process (tests/test_checkpoint_consolidate.py
+    # runs `python -m lightning_shard.checkpoint.consolidate`)
     ckpt = torch.load(out, weights_only=True)
     assert ckpt["global_step"] == 3 and "optimizer_0" in ckpt
     assert set(expected) <= set(ckpt["state_dict"]) and "model.scale" in ckpt["state_dict"]  # buffers too

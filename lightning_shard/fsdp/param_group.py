@@ -398,6 +398,7 @@ class FSDPParamGroup:
                     data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
                     fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
                 mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
+            if not getattr(fp.unsharded, _GRAD_HOOK, False):
                 _register_grad_hook(fp.unsharded, self._unsharded_grad_arrived)
             fp.sync_requires_grad()
             views.append(fp.unsharded)
@@ -714,13 +715,27 @@ def _reshard_before_optimizer_step() -> None:
 register_before_step(_reshard_before_optimizer_step)
 
 
+_GRAD_HOOK = "_ls_unsharded_grad_hook"  # set on an unsharded parameter once ``_register_grad_hook`` succeeded
+
+
 def _register_grad_hook(param: nn.Parameter, hook: Callable[[torch.Tensor], None]) -> None:
     """``param.register_post_accumulate_grad_hook(hook)``, also on a frozen parameter (torch refuses the
-    registration there, but keeps and runs the hook once the parameter is unfrozen)."""
-    frozen = not param.requires_grad
-    param.requires_grad_(True)
-    param.register_post_accumulate_grad_hook(hook)
-    param.requires_grad_(not frozen)
+    registration there, but keeps and runs the hook once the parameter is unfrozen).
+
+    A frozen parameter is unfrozen for the registration, which torch refuses inside a ``torch.func`` transform
+    (a first unshard under ``vmap``): then the next unshard tries again."""
+    if not param.requires_grad:
+        try:
+            param.requires_grad_(True)
+        except RuntimeError:  # inside a torch.func transform
+            return
+        try:
+            param.register_post_accumulate_grad_hook(hook)
+        finally:
+            param.requires_grad_(False)
+    else:
+        param.register_post_accumulate_grad_hook(hook)
+    setattr(param, _GRAD_HOOK, True)
 
 
 def _match_numba_threads_to_torch() -> None:

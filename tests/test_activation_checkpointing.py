@@ -193,26 +193,41 @@ class _CheckpointedStack(nn.Module):
         return self.head(x)
 
 
+# (form, micro-batches per step, reshard_after_forward, the one-process reference's form if not the same)
+_FORMS = [
+    ("reentrant_units", 1, True, None),
+    ("spanning_two_units", 1, True, None),
+    ("sequential", 1, True, None),
+    ("all", 1, True, None),
+    # the recompute draws the dropout masks of the forward: equal to one process that does not checkpoint
+    ("reentrant_dropout", 1, True, "dropout"),
+]
+_MORE_FORMS = [
+    ("unit_twice", 1, True, None),
+    ("reentrant_no_grad_input", 1, True, None),
+    ("matmuls", 2, False, None),  # accumulation without sync, parameters kept from forward to backward
+    ("reentrant_units", 2, False, None),
+    ("non_reentrant_dropout", 2, True, "dropout"),
+]
+
+
 @distributed(world_size=2)
 def test_checkpoint_forms_around_fsdp_units_match_one_process():
     """Selective checkpointing saving every op around a unit crashed before the FSDP forward hooks were hidden
     from it (their all-gather runs in forward, not in the recompute, so every later saved view shifted by one;
     torch's own fully_shard crashes the same way)."""
+    _check_forms(_FORMS)
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_more_checkpoint_forms_around_fsdp_units_match_one_process():
+    _check_forms(_MORE_FORMS)
+
+
+def _check_forms(cases: list[tuple]) -> None:
     data = batches(4, 4)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
-    cases = [
-        ("reentrant_units", 1, True, None),
-        ("spanning_two_units", 1, True, None),
-        ("unit_twice", 1, True, None),
-        ("sequential", 1, True, None),
-        ("reentrant_no_grad_input", 1, True, None),
-        ("all", 1, True, None),
-        ("matmuls", 2, False, None),  # accumulation without sync, parameters kept from forward to backward
-        ("reentrant_units", 2, False, None),
-        # the recompute draws the dropout masks of the forward: equal to one process that does not checkpoint
-        ("reentrant_dropout", 1, True, "dropout"),
-        ("non_reentrant_dropout", 2, True, "dropout"),
-    ]
     for how, accumulate, reshard, ref_how in cases:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # reentrant checkpoint: "None of the inputs have requires_grad=True"

@@ -123,6 +123,7 @@ def test_ours_two_to_four(checkpoints):
     run_distributed(_resume_adamw, 4, checkpoints("ours"))
 
 
+@pytest.mark.slow  # TP resharding of our checkpoints: tests/test_checkpoint_tp.py by default
 def test_ours_two_to_dp2_tp2(checkpoints):
     run_distributed(_resume_adamw, 4, checkpoints("ours_llama"), "llama", 2)
 

@@ -144,7 +144,8 @@ class GradientPresence:
     a ``.grad`` before this backward (gradient accumulation) keeps it.
 
     Example: ``presence.start([True, False], mesh_info, device)``, then after the reduction
-    ``presence.note_fresh([True, True])``; ``presence.finish()`` -> ``[1]`` when no rank had the second one.
+    ``presence.note_fresh([True, True])``; ``presence.finish(presence.used())`` -> ``[1]`` when no rank had the
+    second one.
     """
 
     def __init__(self, n: int) -> None:
@@ -181,9 +182,9 @@ class GradientPresence:
             return None
         return [bool(v) for v in anywhere.tolist()]
 
-    def finish(self) -> list[int]:
-        """The indices of the parameters whose ``.grad`` must go back to None (no rank had a gradient)."""
-        used = self.used()
+    def finish(self, used: list[bool] | None) -> list[int]:
+        """The indices of the parameters whose ``.grad`` must go back to None (no rank had a gradient), from
+        ``used()`` read at the end of this backward."""
         fresh, self.fresh, self.anywhere = self.fresh, None, None
         if fresh is None or used is None:
             return []  # no reduction finished (nothing assigned), or the simulator's fake tensors: no values
@@ -398,8 +399,6 @@ class FSDPParamGroup:
                     data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
                     fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
                 mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
-            if not getattr(fp.unsharded, _GRAD_HOOK, False):
-                _register_grad_hook(fp.unsharded, self._unsharded_grad_arrived)
             fp.sync_requires_grad()
             views.append(fp.unsharded)
         return views
@@ -410,6 +409,12 @@ class FSDPParamGroup:
         if self.is_unsharded and not self.held_for_graph:
             self.held_for_graph = True
             _HELD_FOR_GRAPH.add(self)
+            # A later backward through the recorded graph may bring gradients no hook of the unit sees: the
+            # unsharded parameters report them (only on groups held for a graph, so no other backward pays a
+            # Python call per parameter).
+            for fp in self.params:
+                if fp.unsharded is not None and not getattr(fp.unsharded, _GRAD_HOOK, False):
+                    _register_grad_hook(fp.unsharded, self._unsharded_grad_arrived)
 
     def reshard_before_next_step(self) -> None:
         """Left unsharded after backward (``reshard_after_backward=False``, for the next micro-batch's forward):
@@ -524,7 +529,7 @@ class FSDPParamGroup:
         """Whether a backward without gradient sync reduces anyway: ``register_hook`` hooks (``grad_hooks``) get
         each backward's reduced gradient, as one device gives a leaf's hooks each micro-batch's gradient; run on
         the sum of the micro-batches, a hook that is not linear (clamping) gave another result, silently."""
-        hooked = [fp.fqn for fp in self.params if grad_hooks.has_tensor_hooks(fp.sharded)]
+        hooked = self._tensor_hooked()
         if hooked and not self._warned_no_sync:
             self._warned_no_sync = True
             warnings.warn(
@@ -534,6 +539,10 @@ class FSDPParamGroup:
                 stacklevel=2,
             )
         return bool(hooked)
+
+    def _tensor_hooked(self) -> list[str]:
+        """The names of the parameters with ``register_hook`` hooks (``grad_hooks``), usually none."""
+        return [fp.fqn for fp in self.params if grad_hooks.has_tensor_hooks(fp.sharded)]
 
     def drop_unreduced_grads(self) -> None:
         """Forget the gradients not yet reduced into the sharded ``.grad``: the no-sync accumulation and the
@@ -551,7 +560,7 @@ class FSDPParamGroup:
             casts=self.reduce_dtype != self.orig_dtype,
             offloads=self.shard_device != self.device,
             # register_hook hooks get this backward's gradient alone: reduced apart from .grad (finish_reduce)
-            has_grads=any(fp.sharded.grad is not None or grad_hooks.has_tensor_hooks(fp.sharded) for fp in self.params),
+            has_grads=any(fp.sharded.grad is not None for fp in self.params) or bool(self._tensor_hooked()),
             reduces_in_place=comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group),
         )
         return self._new_grad_flat() if choice.direct else None
@@ -567,7 +576,7 @@ class FSDPParamGroup:
         else:
             grad_flat, accumulate = self._gradient_target()
         _, postdivide = self._divide_factors()
-        if any(grad_hooks.has_tensor_hooks(fp.sharded) for fp in self.params):
+        if self._tensor_hooked():
             self._finish_reduce_through_hooks(handle, grad_flat, postdivide, accumulate)
         else:
             event = collectives.finish_reduce_scatter(
@@ -615,7 +624,7 @@ class FSDPParamGroup:
             self.handle.wait_event(self.grad_offload_event)
             self.grad_offload_event = None
         used = self.presence.used()
-        for i in self.presence.finish():
+        for i in self.presence.finish(used):
             self.params[i].sharded.grad = None  # no rank computed one: leave it None, as one device does
         if self.reduced_in_backward:
             self.reduced_in_backward = False
@@ -715,26 +724,16 @@ def _reshard_before_optimizer_step() -> None:
 register_before_step(_reshard_before_optimizer_step)
 
 
-_GRAD_HOOK = "_ls_unsharded_grad_hook"  # set on an unsharded parameter once ``_register_grad_hook`` succeeded
+_GRAD_HOOK = "_ls_unsharded_grad_hook"  # set on an unsharded parameter by ``_register_grad_hook``
 
 
 def _register_grad_hook(param: nn.Parameter, hook: Callable[[torch.Tensor], None]) -> None:
     """``param.register_post_accumulate_grad_hook(hook)``, also on a frozen parameter (torch refuses the
-    registration there, but keeps and runs the hook once the parameter is unfrozen).
-
-    A frozen parameter is unfrozen for the registration, which torch refuses inside a ``torch.func`` transform
-    (a first unshard under ``vmap``): then the next unshard tries again."""
-    if not param.requires_grad:
-        try:
-            param.requires_grad_(True)
-        except RuntimeError:  # inside a torch.func transform
-            return
-        try:
-            param.register_post_accumulate_grad_hook(hook)
-        finally:
-            param.requires_grad_(False)
-    else:
-        param.register_post_accumulate_grad_hook(hook)
+    registration there, but keeps and runs the hook once the parameter is unfrozen)."""
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
+    param.register_post_accumulate_grad_hook(hook)
+    param.requires_grad_(not frozen)
     setattr(param, _GRAD_HOOK, True)
 
 

@@ -231,6 +231,38 @@ def test_state_dict_hooks_run_on_sharded_model():
     assert ("load", ["norm.weight"]) in log
 
 
+def _weight_normed() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    return model
+
+
+@distributed(world_size=2)
+def test_load_pre_hooks_rewrite_an_old_checkpoint_on_a_sharded_model():
+    """``weight_norm``'s load pre-hook turns an old checkpoint's ``weight_g``/``weight_v`` into its
+    parametrization's keys, as Hugging Face's Mamba and ESM rewrite renamed keys. ``set_model_state_dict`` did
+    not run load pre-hooks: with ``strict=False`` the weight silently kept its initial values."""
+    from lightning_shard.checkpoint import set_model_state_dict
+
+    torch.manual_seed(0)
+    old = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(old[0])  # the deprecated form: keys weight_g and weight_v
+    old_state = old.state_dict()
+    keys = list(old_state)
+    ref = _weight_normed()
+    ref.load_state_dict(old_state)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    for strict in (False, True):
+        model = _weight_normed()
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert max_diff(full_state(model), full_state(ref)) > 1e-2  # a fresh init: equality below says something
+        set_model_state_dict(model, old_state, strict=strict)
+        assert max_diff(full_state(model), full_state(ref)) == 0
+        assert list(old_state) == keys  # the caller's mapping is left as it was
+
+
 # ------------------------------------------------------------------------------------------------ through the Trainer
 class _LitOptimizerInBackward(LitGPT):
     """Manual optimization whose ``training_step`` only calls ``manual_backward``: one SGD per parameter steps in
@@ -274,3 +306,47 @@ def test_optimizer_in_backward_through_trainer(tp):
     ours = full_state(module.model)
     assert max_diff(ref, full_state(_seeded_model(module.arch))) > 1e-3
     assert max_diff(ours, ref) < (1e-5 if tp == 1 else 5e-5)
+
+
+class _TwiceCalled(torch.nn.Module):
+    """A block called twice per forward (weight sharing across depth, as ALBERT and Universal Transformers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.block(self.inp(x))))
+
+
+def _train_twice_called(model, x: torch.Tensor, y: torch.Tensor, calls: list, clamp: float) -> None:
+    for p in model.parameters():
+        p.register_hook(lambda g: calls.append(1) or g.clamp(-clamp, clamp))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@distributed(world_size=2)
+def test_register_hook_on_a_unit_called_twice_runs_once_on_the_sum():
+    """One device runs a leaf's ``register_hook`` once per backward, on the gradient summed over its uses. A unit
+    called twice reduced once per call, so a clamp hook ran on each call's gradient: another result, no error."""
+    torch.manual_seed(0)
+    model = _TwiceCalled()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g) * 4
+    # A bound that binds on the summed gradient of the block but not on each call's: the orders disagree.
+    clamp, ref_calls, calls = 0.05, [], []
+    _train_twice_called(ref, x, y, ref_calls, clamp)
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train_twice_called(model, rank_slice(x, rank, 2), rank_slice(y, rank, 2), calls, clamp)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5
+    assert len(calls) == len(ref_calls)

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -195,9 +196,12 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
     problems = Problems("set_model_state_dict")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"set_model_state_dict: state_dict must be a mapping of FQN to tensor, got {type(state_dict)}")
+    state_dict, hooks_said = _run_load_pre_hooks(model, state_dict, strict)
+    for message in hooks_said.error_msgs:
+        problems.add(message)
     if strict:
-        problems.missing(k for k in targets if k not in state_dict)
-        problems.unexpected(k for k in state_dict if k not in targets)
+        problems.missing([k for k in targets if k not in state_dict] + hooks_said.missing_keys)
+        problems.unexpected([k for k in state_dict if k not in targets] + hooks_said.unexpected_keys)
     matched = 0
     for key, target in targets.items():
         if key in state_dict and isinstance(target, torch.Tensor):
@@ -215,11 +219,49 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
     _run_load_post_hooks(model, missing, [k for k in state_dict if k not in targets])
 
 
+@dataclasses.dataclass
+class _PreHookReport:
+    """What the load pre-hooks added to ``load_state_dict``'s lists (torch's hooks may append to them)."""
+
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
+    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
+    error_msgs: list[str] = dataclasses.field(default_factory=list)
+
+
+def _run_load_pre_hooks(
+    model: nn.Module, state_dict: Mapping[str, Any], strict: bool
+) -> tuple[dict[str, Any], _PreHookReport]:
+    """``state_dict`` after the modules' load pre-hooks (``register_load_state_dict_pre_hook``,
+    ``_register_load_state_dict_pre_hook``), run as ``model.load_state_dict`` runs them: parents first, each on
+    a copy holding the keys under its module's prefix, after its parents' hooks changed them. They rewrite old
+    checkpoints into the current layout: ``weight_norm``'s ``weight_g``/``weight_v`` into its parametrization,
+    Hugging Face Mamba's ``embedding.`` into ``embeddings.``, ESM's rotary keys. Skipped, a renamed key was
+    "missing", and with ``strict=False`` the parameter silently kept its old values. The caller's mapping is not
+    changed (``load_state_dict`` copies it too).
+    """
+    working = dict(state_dict)
+    metadata = getattr(state_dict, "_metadata", None)
+    report = _PreHookReport()
+    for prefix, module in model.named_modules(remove_duplicate=False, prefix=""):
+        hooks = list(module._load_state_dict_pre_hooks.values())
+        if not hooks:
+            continue
+        prefix = f"{prefix}." if prefix else ""
+        local = {k: v for k, v in working.items() if k.startswith(prefix)}
+        local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
+        for hook in hooks:
+            hook(local, prefix, local_metadata, strict, report.missing_keys, report.unexpected_keys, report.error_msgs)
+        # As in load_state_dict, a module's hook decides its own keys only.
+        working = {k: v for k, v in working.items() if not k.startswith(prefix)}
+        working.update((k, v) for k, v in local.items() if k.startswith(prefix))
+    return working, report
+
+
 def _run_load_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
     """The modules' ``register_load_state_dict_post_hook`` hooks, as ``model.load_state_dict`` runs them after
     loading (children first); torch's ``set_model_state_dict`` goes through ``load_state_dict`` and so runs them.
-    Without this, a hook that re-ties weights or recomputes a buffer from the loaded values would be skipped, silently.
-    (Load *pre*-hooks, which rewrite old checkpoints' keys, do not run: the keys are checked as given.)"""
+    Without this, a hook that re-ties weights or recomputes a buffer from the loaded values would be skipped,
+    silently."""
     incompatible = _IncompatibleKeys(missing, unexpected)
     for module in _children_first(model):
         for hook in module._load_state_dict_post_hooks.values():

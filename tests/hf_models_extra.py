@@ -197,6 +197,42 @@ def _llava():
                vision_feature_select_strategy="default", tie_word_embeddings=False)  # fmt: skip
 
 
+def _mpnet():
+    # one relative position table (buckets x heads) in the encoder, its bias added to every layer's scores
+    return _hf("MPNetConfig", "MPNetForMaskedLM", **_bert_sizes())
+
+
+def _esm():
+    # rotary attention in a BERT-style encoder; a load pre-hook remaps old checkpoints' rotary keys
+    return _hf("EsmConfig", "EsmForMaskedLM", **_bert_sizes(), position_embedding_type="rotary", pad_token_id=1,
+               mask_token_id=2, token_dropout=False)  # fmt: skip
+
+
+def _data2vec_text():
+    return _hf("Data2VecTextConfig", "Data2VecTextForMaskedLM", **_bert_sizes(), pad_token_id=1)
+
+
+def _xlnet():
+    # two-stream relative attention on raw parameters (q, k, v, o, r, r_w_bias ...), no Linear projections
+    return _hf("XLNetConfig", "XLNetLMHeadModel", vocab_size=VOCAB, d_model=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+               d_inner=2 * HIDDEN, dropout=0.0, mem_len=None)  # fmt: skip
+
+
+def _dinov2():
+    # layer scale, a mask token the forward never uses without bool_masked_pos, CLS + mean-pooled patch head
+    return _hf("Dinov2Config", "Dinov2ForImageClassification", image_size=IMAGE, patch_size=4, num_channels=CHANNELS,
+               hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=2, mlp_ratio=2, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=LABELS)  # fmt: skip
+
+
+def _segformer():
+    # overlapping patch-embedding convs, attention over a conv-reduced sequence, a depthwise conv inside the MLP
+    return _hf("SegformerConfig", "SegformerForImageClassification", num_channels=CHANNELS, num_encoder_blocks=2,
+               depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[3, 3], strides=[2, 2],
+               num_attention_heads=[1, 2], mlp_ratios=[2, 2], hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=LABELS)  # fmt: skip
+
+
 LLAVA_IMAGE_TOKEN = VOCAB - 1
 
 # family -> (builder, input kind)
@@ -219,6 +255,12 @@ FAMILIES: dict[str, tuple] = {
     "resnet": (_resnet, "image"),
     "wav2vec2": (_wav2vec2, "ctc"),
     "llava": (_llava, "vlm"),
+    "mpnet": (_mpnet, "masked"),
+    "esm": (_esm, "masked"),
+    "data2vec_text": (_data2vec_text, "masked"),
+    "xlnet": (_xlnet, "causal"),
+    "dinov2": (_dinov2, "image"),
+    "segformer": (_segformer, "image"),
 }
 
 

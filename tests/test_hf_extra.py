@@ -158,6 +158,13 @@ PLANS = {
     "resnet": (0.0, None),
     "wav2vec2": (0.85, None),
     "llava": (0.9, "position_embedding: embedding left replicated (CLIPVisionEmbeddings reads"),
+    # the encoder's relative position table (buckets x heads) is split like the heads it biases
+    "mpnet": (0.95, "relative_attention_bias: ColwiseParallel (per-head table shared by the attentions"),
+    "esm": (0.9, None),
+    "data2vec_text": (0.95, None),
+    "xlnet": (0.05, "ff: MLP holds transformer.layer.0.ff.layer_norm.weight (64,) besides its Linears"),
+    "dinov2": (0.85, None),
+    "segformer": (0.2, "attention: heads 1 not divisible by tp 2, left replicated"),
 }
 
 
@@ -192,6 +199,14 @@ def test_fsdp_trainer_matches_one_process():
 def test_tp_trainer_matches_one_process():
     for family in DEFAULT:
         _fit_and_compare(family, tp=2)
+
+
+@distributed(world_size=2)
+def test_tp_relative_position_table_outside_the_attentions_matches_one_process():
+    """MPNet looks up one relative-position bias (buckets x heads) in its encoder and adds it to every layer's
+    attention scores. The automatic plan made the table vocabulary-parallel (all heads on every rank) while the
+    attentions split the heads: a shape error in the first forward."""
+    _fit_and_compare("mpnet", tp=2)
 
 
 @pytest.mark.slow

@@ -15,7 +15,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   the output; the attention math between them runs replicated, so no attribute changes.
   The output projection may also be the only Linear of a sibling module (BERT's ``attention.output.dense``
   next to ``attention.self``). A per-head table (an ``nn.Embedding`` child whose width is the head count: T5's
-  ``relative_attention_bias``, rows = buckets, columns = heads) is column-parallel, split like the heads.
+  ``relative_attention_bias``, rows = buckets, columns = heads) is column-parallel, split like the heads; so is
+  one outside the attentions that all of them share (MPNet's encoder-level table), when every attention is
+  sharded by heads with that head count.
 * One input redistribution per attention and per MLP module (Megatron's ``f``): the module holding q/k/v
   and an MLP module holding only its Linears get ``PrepareModuleInput`` on their first input, positional or
   keyword (``hidden_states=``), so the column-parallel projections share one DTensor input and their input
@@ -400,6 +402,24 @@ def _source(obj) -> str:
         return ""
 
 
+def _shared_head_tables(embeddings: list[str], modules: dict[str, nn.Module], attns: dict) -> list[str]:
+    """Per-head tables outside the attentions: an embedding whose width is the head count, when every attention
+    is sharded by heads with that count (MPNet's encoder-level ``relative_attention_bias``: rows are position
+    buckets, columns heads, looked up once and added to every layer's scores). They are split like the heads, as
+    a table inside the attention is; vocabulary-parallel, a rank's scores (its heads) met the bias of all heads:
+    a shape error in forward. With a fused-qkv attention (its math runs on all heads) or one left replicated,
+    the table stays an ordinary embedding.
+    """
+    if not attns or not all(a.sharded and len(a.q) > 1 for a in attns.values()):
+        return []
+    heads = {a.heads for a in attns.values()}
+    widths = {linear_dims(modules[a.q[0]])[1] for a in attns.values()}
+    if len(heads) != 1 or heads & widths:  # a width equal to the head count could be anything
+        return []
+    (count,) = heads
+    return [e for e in embeddings if modules[e].embedding_dim == count]
+
+
 def _embedding_unshardable(fqn: str, modules: dict[str, nn.Module]) -> str | None:
     """Why the ``RowwiseParallel`` embedding style cannot serve the embedding ``fqn``, or None.
 
@@ -641,6 +661,8 @@ def auto_tp_plan(
     embeddings = [
         f for f, m in modules.items() if isinstance(m, nn.Embedding) and f not in inside_mha and not inside(f, attns)
     ]
+    shared_head_tables = _shared_head_tables(embeddings, modules, attns)
+    embeddings = [e for e in embeddings if e not in shared_head_tables]
     # Embeddings a vocabulary-parallel style cannot serve (their own forward looks up indices it computes, or
     # their weight is read directly), and everything sharing their weight, stay replicated.
     unshardable = {e: why for e in embeddings if (why := _embedding_unshardable(e, modules))}
@@ -716,6 +738,9 @@ def auto_tp_plan(
         lines.append(f"{e}: RowwiseParallel (vocab-parallel embedding, {emb.num_embeddings} rows; output {out})")
 
     # ---- attention
+    for t in shared_head_tables:
+        add(t, ColwiseParallel(input_layouts=Replicate()))
+        lines.append(f"{t}: ColwiseParallel (per-head table shared by the attentions, columns split like the heads)")
     for mha_fqn in mha:
         lines.append(
             f"{mha_fqn}: nn.MultiheadAttention left replicated (its packed in_proj_weight is used inside "

@@ -233,6 +233,47 @@ def _segformer():
                attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=LABELS)  # fmt: skip
 
 
+def _beit(shared: bool = False):
+    # a relative position table (distances x heads) per layer, or one in the encoder shared by all layers, whose
+    # bias the layer hands to its attention as the mask; layer scale; mean-pooled head
+    where = "use_shared_relative_position_bias" if shared else "use_relative_position_bias"
+    return _hf("BeitConfig", "BeitForImageClassification", image_size=IMAGE, patch_size=4, num_channels=CHANNELS,
+               hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=2, intermediate_size=64,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0, use_mean_pooling=True,
+               num_labels=LABELS, **{where: True})  # fmt: skip
+
+
+def _audio_sizes() -> dict:
+    return dict(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                intermediate_size=2 * HIDDEN, conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+                num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+                activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                layerdrop=0.0, apply_spec_augment=False, pad_token_id=0, ctc_loss_reduction="mean")  # fmt: skip
+
+
+def _wavlm():
+    # gated relative position bias: a GRU-style gate (gru_rel_pos_linear) inside the attention, buckets x heads
+    return _hf("WavLMConfig", "WavLMForCTC", **_audio_sizes(), num_buckets=32, max_bucket_distance=64)
+
+
+def _rwkv():
+    # time-mixing recurrence (key/value/receptance, per-channel decay) instead of attention
+    return _hf("RwkvConfig", "RwkvForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+               attention_hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, context_length=MAX_POS)  # fmt: skip
+
+
+def _rembert():
+    # decoupled input/output embedding sizes, projected into and out of the encoder
+    return _hf("RemBertConfig", "RemBertForMaskedLM", **_bert_sizes(), input_embedding_size=32,
+               output_embedding_size=32)  # fmt: skip
+
+
+def _nystromformer():
+    # Nystrom landmark attention with a depthwise conv over the values inside the attention
+    return _hf("NystromformerConfig", "NystromformerForMaskedLM", **_bert_sizes(), num_landmarks=4,
+               segment_means_seq_len=SEQ)  # fmt: skip
+
+
 LLAVA_IMAGE_TOKEN = VOCAB - 1
 
 # family -> (builder, input kind)
@@ -261,6 +302,12 @@ FAMILIES: dict[str, tuple] = {
     "xlnet": (_xlnet, "causal"),
     "dinov2": (_dinov2, "image"),
     "segformer": (_segformer, "image"),
+    "beit": (_beit, "image"),
+    "beit_shared_bias": (lambda: _beit(shared=True), "image"),
+    "wavlm": (_wavlm, "ctc"),
+    "rwkv": (_rwkv, "causal"),
+    "rembert": (_rembert, "masked"),
+    "nystromformer": (_nystromformer, "masked"),
 }
 
 

@@ -165,6 +165,13 @@ PLANS = {
     "xlnet": (0.05, "ff: MLP holds transformer.layer.0.ff.layer_norm.weight (64,) besides its Linears"),
     "dinov2": (0.85, None),
     "segformer": (0.2, "attention: heads 1 not divisible by tp 2, left replicated"),
+    # the relative position bias covers every head: the attentions stay replicated, the MLPs are sharded
+    "beit": (0.4, "attention: per-head parameter beit.layers.0.relative_position_bias.relative_position_bias_table"),
+    "beit_shared_bias": (0.4, "attention: per-head parameter beit.shared_position_bias.relative_position_bias_table"),
+    "wavlm": (0.4, "attention: Linear gru_rel_pos_linear (16, 8) inside the attention is neither q/k/v/o"),
+    "rwkv": (0.3, None),
+    "rembert": (0.9, None),
+    "nystromformer": (0.5, "inside the attention acts on the head-split activations"),
 }
 
 
@@ -207,6 +214,14 @@ def test_tp_relative_position_table_outside_the_attentions_matches_one_process()
     attention scores. The automatic plan made the table vocabulary-parallel (all heads on every rank) while the
     attentions split the heads: a shape error in the first forward."""
     _fit_and_compare("mpnet", tp=2)
+
+
+@distributed(world_size=2)
+def test_tp_relative_position_bias_made_outside_the_attention_matches_one_process():
+    """BEiT's layer (or, shared, its encoder) turns a (distances x heads) table into a bias of every head and hands
+    it to the attention as its mask. The automatic plan split the attention's heads: each rank's scores met the
+    bias of all heads, a shape error in the first forward (with one head per rank, a broadcast)."""
+    _fit_and_compare("beit_shared_bias", tp=2)
 
 
 @pytest.mark.slow

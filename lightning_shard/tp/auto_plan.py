@@ -402,13 +402,13 @@ def _source(obj) -> str:
         return ""
 
 
-def _shared_head_tables(embeddings: list[str], modules: dict[str, nn.Module], attns: dict) -> list[str]:
+def _shared_head_tables(modules: dict[str, nn.Module], attns: dict) -> list[str]:
     """Per-head tables outside the attentions: an embedding whose width is the head count, when every attention
     is sharded by heads with that count (MPNet's encoder-level ``relative_attention_bias``: rows are position
     buckets, columns heads, looked up once and added to every layer's scores). They are split like the heads, as
     a table inside the attention is; vocabulary-parallel, a rank's scores (its heads) met the bias of all heads:
     a shape error in forward. With a fused-qkv attention (its math runs on all heads) or one left replicated,
-    the table stays an ordinary embedding.
+    the attentions stay replicated instead (``_per_head_parameter_outside``).
     """
     if not attns or not all(a.sharded and len(a.q) > 1 for a in attns.values()):
         return []
@@ -417,7 +417,49 @@ def _shared_head_tables(embeddings: list[str], modules: dict[str, nn.Module], at
     if len(heads) != 1 or heads & widths:  # a width equal to the head count could be anything
         return []
     (count,) = heads
-    return [e for e in embeddings if modules[e].embedding_dim == count]
+    inside_attention = [f for f in modules if any(f.startswith(a + ".") for a in attns)]
+    return [
+        f
+        for f, m in modules.items()
+        if isinstance(m, nn.Embedding) and m.embedding_dim == count and f not in inside_attention
+    ]
+
+
+def _per_head_parameter_outside(
+    a: _Attn, modules: dict[str, nn.Module], attns: dict, shared_head_tables: list[str]
+) -> str | None:
+    """A parameter outside the attentions with a dim of the head count, in the attention's own layer or outside
+    the layers (BEiT's ``relative_position_bias.relative_position_bias_table`` (distances, heads) in the layer,
+    or ``shared_position_bias`` in the encoder), whose lookup the model adds to the attention scores of every
+    head. With the heads split, each rank's scores met the bias of all heads: a shape error, or a silent
+    broadcast with one head per rank. A (positions, heads) parameter whose name says position or bias counts;
+    norms, Linears, convolutions and the tables ``_shared_head_tables`` splits do not. Returns the parameter's
+    name and shape, or None.
+    """
+    if not a.sharded or len(a.q) < 2 or a.heads in {linear_dims(modules[a.q[0]])[1]}:
+        return None
+    layers = [f"{f}.{n}" if f else n for f, m in modules.items() if isinstance(m, nn.ModuleList) for n in m._modules]
+    other_layers = [x for x in layers if not a.fqn.startswith(x + ".") and a.fqn != x]
+    # Skipped with their submodules (a weight_norm'd conv's parametrization holds its weight).
+    skipped = [*attns, *other_layers, *shared_head_tables]
+    skipped += [f for f, m in modules.items() if _is_norm(m) or is_linear(m) or isinstance(m, nn.modules.conv._ConvNd)]
+    for f, m in modules.items():
+        if any(f == x or f.startswith(x + ".") for x in skipped):
+            continue
+        for n, p in m.named_parameters(recurse=False):
+            if _is_position_bias_table(_join(f, n), p, a.heads):
+                return f"{_join(f, n)} {tuple(p.shape)}"
+    return None
+
+
+def _is_position_bias_table(name: str, p: nn.Parameter, heads: int) -> bool:
+    """(positions, heads), named as a position bias; a router's weights and biases (experts wide) are not."""
+    shaped = p.ndim == 2 and p.shape[0] > 1 and p.shape[-1] == heads
+    return shaped and bool(_POSITION_BIAS.search(name)) and not _ROUTING.search(name)
+
+
+_POSITION_BIAS = re.compile(r"relative|position|bias", re.IGNORECASE)
+_ROUTING = re.compile(r"expert|router|gate|moe", re.IGNORECASE)
 
 
 def _embedding_unshardable(fqn: str, modules: dict[str, nn.Module]) -> str | None:
@@ -615,6 +657,15 @@ def auto_tp_plan(
         a = _find_attention(fqn, m, tp, modules)
         if a is not None:
             attns[fqn] = a
+    shared_head_tables = _shared_head_tables(modules, attns)
+    for a in attns.values():
+        table = _per_head_parameter_outside(a, modules, attns, shared_head_tables)
+        if table is not None:
+            a.sharded, a.divide, a.head_tables, a.head_projections, a.head_norms = False, [], [], [], []
+            a.reason = (
+                f"per-head parameter {table} outside the attention: the bias it makes covers every head, "
+                "left replicated"
+            )
     claimed = {f for a in attns.values() for f in [*a.q, a.o, *a.head_projections]}
     for fqn, m in modules.items():
         if fqn in inside_mha or fqn in attns or isinstance(m, nn.MultiheadAttention):
@@ -661,7 +712,6 @@ def auto_tp_plan(
     embeddings = [
         f for f, m in modules.items() if isinstance(m, nn.Embedding) and f not in inside_mha and not inside(f, attns)
     ]
-    shared_head_tables = _shared_head_tables(embeddings, modules, attns)
     embeddings = [e for e in embeddings if e not in shared_head_tables]
     # Embeddings a vocabulary-parallel style cannot serve (their own forward looks up indices it computes, or
     # their weight is read directly), and everything sharing their weight, stay replicated.

@@ -249,7 +249,9 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> Non
 
 def _loss(logits: torch.Tensor, tokens: torch.Tensor, r: SimulationRequest) -> torch.Tensor:
     """The step's loss on the fp32 logits: their mean, or cross-entropy as torchtitan computes it (the next
-    tokens' ids are the inputs shifted; their values do not change the memory)."""
+    tokens' ids are the inputs shifted; their values do not change the memory). A Hugging Face output's
+    ``.logits`` are used."""
+    logits = getattr(logits, "logits", logits)
     if r.loss == "mean":
         return logits.float().mean()
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten(0, 1))

@@ -6,8 +6,9 @@ dies, and follows ``UntypedStorage.resize_`` (how FSDP frees and re-allocates un
 are kept overall and per named phase (``tracker.phase = "forward"``).
 
 For one device type (``trace_device``, the simulated accelerator) the tracker also records the ordered trace of
-allocations (with the stream current at the time, from ``stream_of``), frees and phase changes that
-``lightning_shard.simulate.allocator.replay`` turns into the CUDA caching allocator's reserved bytes. A storage
+allocations (with the stream current at the time, from ``stream_of``; without it every allocation is on the
+default stream), frees and phase changes that ``lightning_shard.simulate.allocator.replay`` turns into the CUDA
+caching allocator's reserved bytes. A storage
 used on another stream (``record_stream``) is freed in the trace only when its allocation stream next waits
 for that stream (``wait_stream``): the caching allocator holds such a block until an event recorded at the
 free has completed, and without timing that is the first point the engine orders the two streams.

@@ -117,6 +117,14 @@ def test_expandable_segments_grow_one_segment_per_stream_by_pages():
     assert (r.peak_reserved, r.segments) == (80 * MiB, 2)
 
 
+def test_an_expandable_segment_maps_nothing_when_its_free_end_already_holds_the_request():
+    # 30 MiB maps two 20 MiB pages and is freed: 40 MiB free at the segment's end, still mapped. 3 MiB comes
+    # from it (nothing mapped or unmapped); 3 MiB on another stream maps a page of that stream's segment
+    trace = [Alloc(1, 30 * MiB), Free(1), Alloc(2, 3 * MiB), Alloc(3, 3 * MiB, "side")]
+    r = replay(trace, AllocatorConfig(expandable_segments=True))
+    assert (r.peak_reserved, r.segments) == (60 * MiB, 2)
+
+
 def test_the_tracker_records_allocations_frees_and_resizes_of_its_device():
     with MemoryTracker("cpu") as mem:
         x = torch.empty(1024)

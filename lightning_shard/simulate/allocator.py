@@ -217,7 +217,8 @@ class CachingAllocator:
             have = tail.size
         else:
             have = 0
-        grow = -(-(size - have) // page) * page
+        # best fit passed over the end block (it can grow); it may hold the request already: map nothing then
+        grow = max(0, -(-(size - have) // page) * page)
         self._fit_in_capacity(grow)
         if tail is None:
             segment = _Segment(0)

@@ -125,6 +125,30 @@ def test_an_expandable_segment_maps_nothing_when_its_free_end_already_holds_the_
     assert (r.peak_reserved, r.segments) == (60 * MiB, 2)
 
 
+@pytest.mark.parametrize("expandable", [False, True])
+def test_every_reserved_byte_is_allocated_or_free_in_a_pool(expandable):
+    # random requests of every size class on two streams: at every step the reserved bytes are exactly the
+    # handed-out blocks plus the free blocks of the pools, and (no capacity) reservations never shrink
+    import random
+
+    from lightning_shard.simulate.allocator import CachingAllocator
+
+    rng = random.Random(0)
+    allocator = CachingAllocator(AllocatorConfig(expandable_segments=expandable))
+    live, reserved = [], 0
+    for key in range(1500):
+        if live and rng.random() < 0.45:
+            allocator.free(live.pop(rng.randrange(len(live))))
+        else:
+            nbytes = rng.choice([rng.randint(1, MiB), rng.randint(MiB, 10 * MiB), rng.randint(10 * MiB, 64 * MiB)])
+            allocator.malloc(key, nbytes, rng.choice(["default", "side"]))
+            live.append(key)
+        free = sum(size for pool in allocator._free.values() for size, _, _ in pool)
+        assert allocator.allocated + free == allocator.reserved >= reserved
+        assert allocator.allocated >= allocator.requested
+        reserved = allocator.reserved
+
+
 def test_the_tracker_records_allocations_frees_and_resizes_of_its_device():
     with MemoryTracker("cpu") as mem:
         x = torch.empty(1024)

@@ -5,7 +5,7 @@ published configuration with ``lightning_shard.planner`` and prints planner / pu
 within 15%, tokens/s within 25%. Run (about a minute on one CPU core):
 
     python benchmarks/planner_published.py
-    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (about 6 minutes)
+    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (about 9 minutes)
 
 ``--simulate`` also runs each run the simulator can run (``lightning_shard.planner.reserved``: no loss
 parallelism) on fake tensors as rank 0, with this engine and with torch's FSDP2 (``--reference torch``), and

@@ -5,6 +5,13 @@ published configuration with ``lightning_shard.planner`` and prints planner / pu
 within 15%, tokens/s within 25%. Run (about a minute on one CPU core):
 
     python benchmarks/planner_published.py
+    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (about 9 minutes)
+
+``--simulate`` also runs each run the simulator can run (``lightning_shard.planner.reserved``: no loss
+parallelism) on fake tensors as rank 0, with this engine and with torch's FSDP2 (``--reference torch``), and
+replays the CUDA caching allocator on each (``lightning_shard.simulate.allocator``): the published figures are
+peak *reserved* bytes. The simulated model is ``benchmarks.sim_models.llama3_8b`` (the same shapes as the
+Hugging Face config, the Llama of ``tests/tp_models.py``), with cross-entropy on fp32 logits as torchtitan.
 
 Sources:
 * torchtitan, docs/performance.md (commit 820504e20^ of pytorch/torchtitan, Dec 2024; also arXiv 2410.06511):
@@ -23,6 +30,7 @@ Sources:
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -100,7 +108,21 @@ RUNS = [
 ]  # fmt: skip
 
 
+SIM_FACTORIES = {"llama3.1-8b": "llama3_8b"}  # benchmarks.sim_models factories of the same shapes
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--simulate", action="store_true", help="also simulate reserved memory (minutes)")
+    args = parser.parse_args()
+    estimates = planner_table()
+    if args.simulate:
+        reserved_table(estimates)
+
+
+def planner_table() -> dict:
+    """The planner / published table; returns each run's estimate by name."""
+    estimates = {}
     print("| run | mesh | planner peak | published peak | ratio | planner tokens/s/GPU | published | ratio | MFU |")
     print("|---|---|---|---|---|---|---|---|---|")
     cache: dict = {}
@@ -124,6 +146,42 @@ def main() -> None:
             + (f" {run.note}" if run.note else "")
         )
         print(f"<!-- {run.name}: {time.time() - t0:.1f} s; " + est.summary().replace("\n", " / ") + " -->")
+        estimates[run.name] = est
+    return estimates
+
+
+def reserved_table(estimates: dict) -> None:
+    """Planner allocated vs simulated allocated and reserved (both engines) vs the published reserved peak."""
+    from benchmarks import sim_models
+    from lightning_shard.planner.reserved import simulation_request
+    from lightning_shard.simulate.reference import TORCH_ENGINE
+    from lightning_shard.simulate.run import simulate_training
+
+    print()
+    print("| run | planner allocated | simulated allocated | simulated reserved (ours) | reserved (torch FSDP2) "
+          "| published reserved | ratio ours / published | torch / published |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for run in RUNS:
+        if run.peak_gib is None:
+            continue
+        est = estimates[run.name]
+        if run.factory not in SIM_FACTORIES or run.lp:
+            print(f"| {run.name} | {est.device_total / GiB:.1f} GiB | not simulated: "
+                  f"{'loss parallelism' if run.lp else 'no simulator factory'} | | | {run.peak_gib} | | |")  # fmt: skip
+            continue
+        factory = getattr(sim_models, SIM_FACTORIES[run.factory])
+        request = simulation_request(est, precision="bf16-mixed", batch=run.batch, seq_len=run.seq_len)
+        t0 = time.time()
+        ours = simulate_training(factory, request)
+        theirs = simulate_training(factory, request, engine=TORCH_ENGINE)
+        r_ours, r_torch = ours["peak_reserved_bytes"] / GiB, theirs["peak_reserved_bytes"] / GiB
+        print(
+            f"| {run.name} | {est.device_total / GiB:.1f} GiB | {ours['peak_device_bytes'] / GiB:.1f} GiB "
+            f"(torch {theirs['peak_device_bytes'] / GiB:.1f}) | {r_ours:.1f} GiB | {r_torch:.1f} GiB | "
+            f"{run.peak_gib} GiB | **{r_ours / run.peak_gib:.2f}** | **{r_torch / run.peak_gib:.2f}** |"
+        )
+        print(f"<!-- {run.name}: simulated in {time.time() - t0:.0f} s; reserved by phase ours "
+              f"{ours['reserved_by_phase']}, torch {theirs['reserved_by_phase']} -->")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,3 +27,10 @@ def llama3_8b() -> Llama:
 def llama_tiny() -> Llama:
     """A small Llama for quick runs and tests."""
     return _bf16_buffers(Llama())
+
+
+def llama3_70b() -> Llama:
+    """Llama-3-70B's shape: 80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256."""
+    return _bf16_buffers(
+        Llama(vocab=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden=28672, max_len=8192)
+    )

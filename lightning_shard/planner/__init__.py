@@ -31,6 +31,7 @@ from lightning_shard.planner.profile import (
     SavedTensorCounter,
     profile_activations,
 )
+from lightning_shard.planner.reserved import SimulatedMemory, simulated_reserved
 from lightning_shard.planner.timing import DEVICES, Device, StepTime, step_time
 
 __all__ = [
@@ -56,4 +57,6 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "profile_activations",
+    "simulated_reserved",
+    "SimulatedMemory",
 ]

@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hybrid-shard", action="store_true", help="HSDP: shard within a node, replicate across")
     parser.add_argument("--search", action="store_true", help="also search reshard_after_forward and CPU offload")
     parser.add_argument("--json", action="store_true", help="print the table rows as JSON too")
+    parser.add_argument(
+        "--simulate-reserved", action="store_true",
+        help="run the choice in the fake-tensor simulator and replay the CUDA caching allocator: peak reserved",
+    )  # fmt: skip
+    parser.add_argument("--expandable-segments", action="store_true", help="with --simulate-reserved")
     args = parser.parse_args(argv)
     factory = _load(args.factory)
     with torch.device("meta"):
@@ -98,6 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     print(result.choice.estimate.summary())
     if args.json:
         print(json.dumps(result.rows))
+    if args.simulate_reserved:
+        return _print_reserved(factory, result, args)
+    return 0
+
+
+def _print_reserved(factory, result, args) -> int:
+    """``--simulate-reserved``: the choice's simulated allocated and reserved peaks (``planner.reserved``)."""
+    from lightning_shard.planner.reserved import simulated_reserved
+
+    try:
+        r = simulated_reserved(
+            factory, result.choice.estimate, precision=args.precision, batch=args.batch, seq_len=args.seq_len,
+            devices_per_node=args.devices if args.devices_per_node is None else args.devices_per_node,
+            expandable_segments=args.expandable_segments,
+        )  # fmt: skip
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    print(f"simulated ({result.choice.config}): peak allocated {format_bytes(r.peak_allocated)}, peak reserved "
+          f"{format_bytes(r.peak_reserved)} (CUDA caching allocator replay, {r.reserved_over_allocated:.2f}x "
+          f"allocated); planner allocated {format_bytes(r.planned_allocated)}")  # fmt: skip
     return 0
 
 

@@ -253,7 +253,10 @@ class Estimate:
         if self.cpu_offload:
             lines.append(f"  {'host memory (offloaded model states)':<52} {format_bytes(self.cpu_bytes):>10}")
         lines.append(f"  {'communication per step':<52} {format_bytes(self.comm_total):>10}")
-        lines.append("  not modelled: a pipeline-parallel axis (the engine has none), allocator fragmentation")
+        lines.append(
+            "  not modelled: a pipeline-parallel axis (the engine has none); these are allocated bytes, the "
+            "caching allocator's reserved bytes are simulated (planner.simulated_reserved)"
+        )
         return "\n".join(lines)
 
 

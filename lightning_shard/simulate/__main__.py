@@ -4,8 +4,12 @@ accelerators on this CPU and report peak device memory, collectives and communic
 The factory is called under ``torch.device("meta")`` (token ids in, logits out), as the planner's CLI does.
 With ``--reference torch`` the same simulation runs a second time with torch's own FSDP2 (and torchtitan's
 Llama tensor-parallel plan when T > 1; ``lightning_shard.simulate.reference``), and the report adds torch's
-figures and the ratios ours / torch. Attention is counted as a GPU's flash attention keeps it
-(``lightning_shard.simulate.attention``); ``--attention math`` counts torch's math path instead.
+figures and the ratios ours / torch. ``peak_reserved_bytes`` is the CUDA caching allocator's peak reserved
+memory (``torch.cuda.max_memory_reserved``), replayed from the run's allocations and their streams
+(``lightning_shard.simulate.allocator``); ``peak_device_bytes`` the bytes tensors held. Attention is counted as
+a GPU's flash attention keeps it (``lightning_shard.simulate.attention``); ``--attention math`` counts torch's
+math path instead. ``--activation-checkpointing selective-op`` applies torchtitan's selective op policy
+(``lightning_shard.simulate.selective_ac``), ``--loss cross-entropy`` torchtitan's loss.
 
 Example::
 
@@ -34,12 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true", help="with T > 1: shard activations between blocks")
     p.add_argument("--cpu-offload", action="store_true")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--activation-checkpointing", nargs="?", const="full", default=False, choices=["full", "selective-op"],
+        help="checkpoint every block: full (the default when given) or torchtitan's selective op policy",
+    )  # fmt: skip
     p.add_argument("--no-checkpoint", action="store_true", help="skip the sharded and full checkpoint save and load")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--devices-per-node", type=int, default=8)
     p.add_argument("--reference", choices=["torch"], default=None, help="also run torch's FSDP2 and compare")
     p.add_argument("--attention", choices=["flash", "math"], default="flash", help="how SDPA's memory is counted")
+    p.add_argument("--loss", choices=["mean", "cross-entropy"], default="mean", help="on the fp32 logits")
+    p.add_argument("--expandable-segments", action="store_true", help="replay the allocator with them on")
+    p.add_argument("--device-memory", type=float, default=None, help="GiB per device for the allocator replay")
     p.add_argument("--json", default=None, help="write the report to this file")
     args = p.parse_args(argv)
     try:
@@ -50,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq_len, steps=args.steps, cpu_offload=args.cpu_offload,
             activation_checkpointing=args.activation_checkpointing, rank=args.rank,
             devices_per_node=args.devices_per_node, checkpoint=not args.no_checkpoint, attention=args.attention,
-            sequence_parallel=args.sequence_parallel,
+            sequence_parallel=args.sequence_parallel, expandable_segments=args.expandable_segments, loss=args.loss,
+            device_memory=None if args.device_memory is None else int(args.device_memory * (1 << 30)),
         )  # fmt: skip
         report = simulate_training(factory, request)
         if args.reference:
@@ -78,11 +89,12 @@ def _print(report: dict) -> None:
     for key, value in report.items():
         if key in ("reference", "ratio_to_reference", "engine"):
             continue
-        if key == "peak_by_phase":
+        if key in ("peak_by_phase", "reserved_by_phase"):
+            label = "  peak " if key == "peak_by_phase" else "  reserved "
             for phase in value:
-                ratio = ratios["peak_by_phase"].get(phase)
+                ratio = ratios[key].get(phase)
                 print(
-                    f"{'  peak ' + phase:26s} {_fmt(value[phase]):>34s} {_fmt(reference[key].get(phase, 0)):>34s}"
+                    f"{label + phase:26s} {_fmt(value[phase]):>34s} {_fmt(reference[key].get(phase, 0)):>34s}"
                     f"  {_fmt_ratio(ratio)}"
                 )
             continue

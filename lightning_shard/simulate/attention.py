@@ -41,8 +41,12 @@ class FlashAttentionAccounting(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, scale, enable_gqa):  # noqa: ARG004 (scale: no memory effect)
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        _INSIDE[0] += 1  # a selective checkpointing policy saves these outputs (selective_ac.py)
+        try:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        finally:
+            _INSIDE[0] -= 1
         ctx.has_mask = attn_mask is not None
         ctx.save_for_backward(q, k, v, out, logsumexp, *([attn_mask] if ctx.has_mask else []))
         return out
@@ -58,6 +62,14 @@ class FlashAttentionAccounting(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del dq_accumulator, softmax_d, expanded
         return dq, dk, dv, None, None, None
+
+
+_INSIDE = [0]  # > 0 while the accounting function's forward allocates its outputs
+
+
+def inside_accounting() -> bool:
+    """Whether the ops dispatched now are the fused attention's forward (its outputs)."""
+    return _INSIDE[0] > 0
 
 
 @contextlib.contextmanager

@@ -30,10 +30,24 @@ STAND_IN_DEVICE = "lazy"
 
 
 class SimStream:
-    """A named stream; ``with handle.stream(s)`` makes it current."""
+    """A named stream; ``with handle.stream(s)`` makes it current. Its ordering methods (torch's
+    ``torch.cuda.Stream`` API, which torch's FSDP2 calls under ``--reference torch``) order nothing: fake
+    tensors run no kernels."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else NullEvent()
+
+    def synchronize(self) -> None:
+        pass
 
     def __repr__(self) -> str:
         return f"SimStream({self.name})"
@@ -66,6 +80,7 @@ class RecordingHandle(DeviceHandle):
         self._current = self._default
         self._pinned: dict[int, object] = {}  # id(storage) -> storage, kept alive with the tensor
         self._rng = ("rng", 0)
+        self.memory = None  # the simulation's MemoryTracker: told of record_stream and wait_stream
 
     def is_available(self) -> bool:
         return True
@@ -103,6 +118,8 @@ class RecordingHandle(DeviceHandle):
 
     def wait_stream(self, waiter: SimStream, waitee: SimStream) -> None:
         self.calls.append(("wait_stream", waiter.name, waitee.name))
+        if self.memory is not None:
+            self.memory.wait_stream(waiter.name, waitee.name)
 
     def record_event(self, stream: SimStream | None = None) -> SimEvent:
         event = SimEvent(stream or self._current)
@@ -112,6 +129,8 @@ class RecordingHandle(DeviceHandle):
     def record_stream(self, tensor: torch.Tensor, stream: SimStream | None) -> None:
         if stream is not None:
             self.calls.append(("record_stream", stream.name, tensor.device.type))
+            if self.memory is not None:
+                self.memory.record_stream(tensor, stream.name)
 
     def wait_event(self, event: SimEvent | None) -> None:
         if event is not None:
@@ -202,18 +221,23 @@ class SimDeviceModule:
 
     _initialized = True  # torch.utils.checkpoint stashes the device RNG state only for an initialised device
     # torch's FSDP2 (the simulator's --reference torch) creates streams and events; on fake tensors they order
-    # nothing. The engine itself goes through the RecordingHandle, which records its stream use.
-    Stream, Event = NullStream, NullEvent
+    # nothing, but the handle's current stream is the one the memory tracker's allocator trace records, so
+    # torch's all-gather and reduce-scatter buffers land in their streams' pools as on a GPU.
+    Event = NullEvent
 
     def __init__(self, handle: RecordingHandle) -> None:
         self.handle = handle
-        self._stream = NullStream()
+        self._streams = 0
 
-    def current_stream(self, device=None) -> NullStream:
-        return self._stream
+    def Stream(self, *args, **kwargs) -> SimStream:  # noqa: N802 (torch.cuda.Stream's name)
+        self._streams += 1
+        return SimStream(f"torch{self._streams}")
+
+    def current_stream(self, device=None) -> SimStream:
+        return self.handle.current_stream()
 
     def stream(self, stream) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return self.handle.stream(stream) if isinstance(stream, SimStream) else contextlib.nullcontext()
 
     def synchronize(self, device=None) -> None:
         pass

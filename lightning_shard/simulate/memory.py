@@ -5,6 +5,14 @@ first returns it, uncounts it when the storage
 dies, and follows ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded parameters). Peaks
 are kept overall and per named phase (``tracker.phase = "forward"``).
 
+For one device type (``trace_device``, the simulated accelerator) the tracker also records the ordered trace of
+allocations (with the stream current at the time, from ``stream_of``; without it every allocation is on the
+default stream), frees and phase changes that ``lightning_shard.simulate.allocator.replay`` turns into the CUDA
+caching allocator's reserved bytes. A storage
+used on another stream (``record_stream``) is freed in the trace only when its allocation stream next waits
+for that stream (``wait_stream``): the caching allocator holds such a block until an event recorded at the
+free has completed, and without timing that is the first point the engine orders the two streams.
+
 Inside a ``FakeTensorMode`` (the simulator's case) the tracker observes the fake mode's own dispatch, which every
 op on a fake tensor reaches, including the ops a tensor subclass (a DTensor) runs on its local tensors inside its
 ``__torch_dispatch__``: their temporaries and collectives count too. (A dispatch mode pushed above the fake mode
@@ -26,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_shard.simulate.allocator import Alloc, Free, Phase
 
 __all__ = ["MemoryTracker"]
 
@@ -48,13 +58,21 @@ _DIRECT_OPS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.uniform
 class MemoryTracker(TorchDispatchMode):
     """Live bytes, peak bytes and peak bytes per phase, by device type (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_device: str | None = None, stream_of: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.live: dict[str, int] = defaultdict(int)
         self.peak: dict[str, int] = defaultdict(int)
         self.peak_by_phase: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.phase = "setup"
-        self._entries: dict[int, tuple[str, int]] = {}  # id(storage) -> (device type, bytes counted)
+        self.trace_device = trace_device
+        # the allocator trace of trace_device, starting in the first phase
+        self.trace: list[Alloc | Free | Phase] = [Phase("setup")] if trace_device is not None else []
+        self._stream_of = stream_of or (lambda: "default")
+        self._keys = 0  # the last trace key handed out: storages' ids are reused, trace keys never
+        self._streams: dict[int, str] = {}  # trace key -> the stream it was allocated on
+        self._recorded: dict[int, set[str]] = {}  # trace key -> the other streams it was used on
+        self._held: dict[tuple[str, str], list[int]] = defaultdict(list)  # (alloc, used) streams -> keys
+        self._phase = "setup"
+        self._entries: dict[int, tuple[str, int, int]] = {}  # id(storage) -> (device type, bytes, trace key)
         self._resize = None
         self._counts: list = []
         self._fake_mode = None  # the FakeTensorMode whose dispatch is observed, if any
@@ -128,7 +146,7 @@ class MemoryTracker(TorchDispatchMode):
         key = id(storage)
         if key in self._entries:
             return
-        self._entries[key] = (t.device.type, 0)
+        self._entries[key] = (t.device.type, 0, 0)
         weakref.finalize(storage, self._release, key)
         self._set(key, storage.nbytes())
 
@@ -170,8 +188,12 @@ class MemoryTracker(TorchDispatchMode):
             self._set(id(storage), storage.nbytes())
 
     def _set(self, key: int, nbytes: int) -> None:
-        device, before = self._entries[key]
-        self._entries[key] = (device, nbytes)
+        device, before, trace_key = self._entries[key]
+        if device == self.trace_device and nbytes != before:
+            # a resize is a new block and the old one's free, as resize_ on CUDA (FSDP frees this way)
+            self._trace_free(trace_key)
+            trace_key = self._trace_alloc(nbytes)
+        self._entries[key] = (device, nbytes, trace_key)
         self.live[device] += nbytes - before
         if nbytes > before:
             live = self.live[device]
@@ -180,8 +202,58 @@ class MemoryTracker(TorchDispatchMode):
             phase[device] = max(phase[device], live)
 
     def _release(self, key: int) -> None:
-        device, nbytes = self._entries.pop(key)
+        device, nbytes, trace_key = self._entries.pop(key)
         self.live[device] -= nbytes
+        if device == self.trace_device:
+            self._trace_free(trace_key)
+
+    # -- the allocator trace
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._phase = name
+        if self.trace_device is not None:
+            self.trace.append(Phase(name))
+
+    def record_stream(self, t: torch.Tensor, stream: str) -> None:
+        """``t`` is used on ``stream`` too (``Tensor.record_stream``): its block is held past its free until
+        its allocation stream waits for ``stream`` (see ``wait_stream``)."""
+        entry = self._entries.get(id(t.untyped_storage()))
+        if entry is not None and entry[2] and self._streams[entry[2]] != stream:
+            self._recorded.setdefault(entry[2], set()).add(stream)
+
+    def wait_stream(self, waiter: str, waitee: str) -> None:
+        """``waiter`` waits for ``waitee``: blocks of ``waiter`` held for use on ``waitee`` return to the pool."""
+        for trace_key in self._held.pop((waiter, waitee), ()):
+            streams = self._recorded[trace_key]
+            streams.discard(waitee)
+            if not streams:
+                del self._recorded[trace_key]
+                self.trace.append(Free(trace_key))
+
+    def _trace_alloc(self, nbytes: int) -> int:
+        if not nbytes:
+            return 0
+        self._keys += 1
+        stream = self._stream_of()
+        self._streams[self._keys] = stream
+        self.trace.append(Alloc(self._keys, nbytes, stream))
+        return self._keys
+
+    def _trace_free(self, trace_key: int) -> None:
+        if not trace_key:
+            return
+        stream = self._streams.pop(trace_key)
+        recorded = self._recorded.get(trace_key)
+        if recorded:
+            for used in recorded:
+                self._held[(stream, used)].append(trace_key)
+            return
+        self.trace.append(Free(trace_key))
 
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")

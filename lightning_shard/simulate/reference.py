@@ -221,11 +221,6 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, request) -> None:
 
     from lightning_shard.fsdp.units import find_repeated_blocks
 
-    if request.activation_checkpointing:
-        raise ValueError(
-            "simulate: --reference torch does not apply activation checkpointing to torch's engine, so the two "
-            "runs would not compare; drop --activation-checkpointing or --reference"
-        )
     if request.tensor_parallel_size > 1:
         plan = torchtitan_llama_plan(model, request.sequence_parallel)
         parallelize_module(model, mesh["tensor_parallel"], plan)
@@ -239,7 +234,11 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, request) -> None:
         "mp_policy": MixedPrecisionPolicy(param_dtype=ours.param_dtype, reduce_dtype=ours.reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy(),
     }
-    for block in find_repeated_blocks(model):
+    from lightning_shard.simulate.run import checkpoint_blocks
+
+    blocks = find_repeated_blocks(model)
+    checkpoint_blocks(blocks, request, preserve_rng_state=False)  # as the engine's run, before sharding
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root as torchtitan shards it: reshard_after_forward left to torch, which keeps the root's parameters
     # unsharded after forward (backward needs them at once), as the engine's root does; an explicit True would
@@ -284,8 +283,8 @@ TORCH_ENGINE = _engine()
 
 def compare(ours: dict, reference: dict) -> dict:
     """``ours`` with ``reference`` (torch's report) under ``"reference"`` and the ratios ours / torch under
-    ``"ratio_to_reference"``: peak device bytes (overall and per phase), bytes after setup, collectives per
-    kind and bytes sent per step.
+    ``"ratio_to_reference"``: peak device bytes and peak reserved bytes (overall and per phase), bytes after
+    setup, collectives per kind and bytes sent per step.
 
     Example::
 
@@ -300,6 +299,10 @@ def compare(ours: dict, reference: dict) -> dict:
     ratios = {
         "peak_device_bytes": ratio(ours["peak_device_bytes"], reference["peak_device_bytes"]),
         "peak_by_phase": {p: ratio(phases[p], reference["peak_by_phase"].get(p, 0)) for p in phases},
+        "peak_reserved_bytes": ratio(ours["peak_reserved_bytes"], reference["peak_reserved_bytes"]),
+        "reserved_by_phase": {
+            p: ratio(v, reference["reserved_by_phase"].get(p, 0)) for p, v in ours["reserved_by_phase"].items()
+        },
         "device_bytes_after_setup": ratio(ours["device_bytes_after_setup"], reference["device_bytes_after_setup"]),
         "collectives_per_step": {
             kind: ratio(ours["collectives_per_step"].get(kind, 0), reference["collectives_per_step"].get(kind, 0))

@@ -38,7 +38,7 @@ from lightning_shard.simulate.kernels import simulated_staging_kernels
 from lightning_shard.simulate.world import simulated_world
 from lightning_shard.utils import clip_grad_norm_
 
-__all__ = ["SimulationRequest", "simulate_training", "Engine", "ENGINE"]
+__all__ = ["SimulationRequest", "simulate_training", "Engine", "ENGINE", "checkpoint_blocks"]
 
 _POLICIES = {
     "32-true": MixedPrecisionPolicy(),
@@ -59,13 +59,16 @@ class SimulationRequest:
     seq_len: int = 512
     steps: int = 1
     cpu_offload: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True or "full": every block; "selective-op": torchtitan's op SAC
     rank: int = 0
     devices_per_node: int = 8
     vocab_size: int | None = None
     checkpoint: bool = True  # our engine only: torch's FSDP2 (--reference torch) saves with its own code
     sequence_parallel: bool = False  # with T > 1: auto_tp_plan(sequence_parallel=...), as the strategy's flag
     attention: str = "flash"  # how SDPA's memory is counted: "flash" (a GPU's fused kernels) or "math"
+    expandable_segments: bool = False  # the allocator replay's setting (PYTORCH_CUDA_ALLOC_CONF)
+    device_memory: int | None = None  # bytes per device for the allocator replay (None: unlimited)
+    loss: str = "mean"  # "mean" of the fp32 logits, or "cross-entropy" on them (torchtitan's loss)
 
     def check(self) -> None:
         if self.devices < 1:
@@ -87,6 +90,15 @@ class SimulationRequest:
             raise ValueError(f"simulate: --rank {self.rank} must be in [0, {self.devices})")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
+        if self.activation_checkpointing not in (False, True, "full", "selective-op"):
+            raise ValueError(
+                f"simulate: --activation-checkpointing {self.activation_checkpointing!r} is not 'full' or "
+                "'selective-op'"
+            )
+        if self.loss not in ("mean", "cross-entropy"):
+            raise ValueError(f"simulate: --loss {self.loss!r} is not 'mean' or 'cross-entropy'")
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise ValueError(f"simulate: --device-memory {self.device_memory} must be positive")
 
 
 @dataclass(frozen=True)
@@ -139,7 +151,7 @@ def simulate_training(
             with comm.count_collectives() as ours, mem.count_collectives() as dispatched:
                 x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
                 mem.phase = "forward"
-                loss = model(x).float().mean()
+                loss = _loss(model(x), x, request)
                 mem.phase = "backward"
                 loss.backward()
                 mem.phase = "optimizer"
@@ -150,9 +162,11 @@ def simulate_training(
         checkpoint = _simulate_checkpoints(model, optimizer, world, request) if engine is ENGINE else {}
     device = world.device_type
     counts = ours if engine is ENGINE else dispatched  # torch's collectives bypass lightning_shard.comm
+    reserved = _replay_allocator(mem.trace, request)
     return {
         "peak_device_bytes": mem.peak[device],
         "peak_by_phase": {phase: peaks.get(device, 0) for phase, peaks in mem.peak_by_phase.items()},
+        **reserved,
         "device_bytes_after_setup": after_setup,
         "collectives_per_step": dict(counts.calls),
         "comm_bytes_per_step": sum(counts.bytes.values()),
@@ -161,6 +175,25 @@ def simulate_training(
         "simulation_seconds": round(time.perf_counter() - started, 1),
         "simulation_cpu_seconds": round(time.process_time() - started_cpu, 1),  # this process's CPU time
         "engine": engine.name,
+    }
+
+
+def _replay_allocator(trace: list, request: SimulationRequest) -> dict:
+    """The CUDA caching allocator's peak reserved bytes on the simulation's allocator trace (overall and by
+    phase; ``lightning_shard.simulate.allocator``), and the streams whose pools the trace used."""
+    from lightning_shard.simulate.allocator import AllocatorConfig, AllocatorOutOfMemory, replay
+
+    config = AllocatorConfig(expandable_segments=request.expandable_segments, capacity=request.device_memory)
+    try:
+        r = replay(trace, config)
+    except AllocatorOutOfMemory as e:
+        raise ValueError(f"simulate: out of memory at --device-memory {request.device_memory}: {e}") from e
+    return {
+        "peak_reserved_bytes": r.peak_reserved,
+        "reserved_by_phase": r.reserved_by_phase,
+        "allocator_segments": r.segments,
+        "allocator_releases": r.releases,
+        "allocator_streams": sorted({e.stream for e in trace if hasattr(e, "stream")}),
     }
 
 
@@ -202,11 +235,7 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> Non
         plan = auto_tp_plan(model, mesh["tensor_parallel"], sequence_parallel=r.sequence_parallel)
         parallelize_module(model, mesh["tensor_parallel"], plan)
     blocks = find_repeated_blocks(model)
-    if r.activation_checkpointing:
-        from torch.utils.checkpoint import checkpoint
-
-        for block in blocks:
-            block.forward = lambda *a, _f=block.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    checkpoint_blocks(blocks, r)
     kwargs = {
         "mesh": fsdp_mesh,
         "reshard_after_forward": r.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
@@ -216,6 +245,34 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> Non
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def _loss(logits: torch.Tensor, tokens: torch.Tensor, r: SimulationRequest) -> torch.Tensor:
+    """The step's loss on the fp32 logits: their mean, or cross-entropy as torchtitan computes it (the next
+    tokens' ids are the inputs shifted; their values do not change the memory). A Hugging Face output's
+    ``.logits`` are used."""
+    logits = getattr(logits, "logits", logits)
+    if r.loss == "mean":
+        return logits.float().mean()
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten(0, 1))
+
+
+def checkpoint_blocks(blocks: list[nn.Module], r: SimulationRequest, preserve_rng_state: bool = True) -> None:
+    """Recompute each block's forward in backward (``r.activation_checkpointing``: every activation, or
+    torchtitan's selective op policy), as torchtitan wraps each block before sharding it.
+    ``preserve_rng_state=False`` for torch's engine, which is shown no device RNG (``reference._WithoutRng``);
+    the RNG state holds no device memory."""
+    if not r.activation_checkpointing:
+        return
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+    from lightning_shard.simulate.selective_ac import op_sac_context
+
+    context = op_sac_context if r.activation_checkpointing == "selective-op" else noop_context_fn
+    for block in blocks:
+        block.forward = lambda *a, _f=block.forward, **k: checkpoint(
+            _f, *a, use_reentrant=False, context_fn=context, preserve_rng_state=preserve_rng_state, **k
+        )
 
 
 def _vocab_of(model: nn.Module) -> int:

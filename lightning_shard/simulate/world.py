@@ -76,7 +76,8 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
         dist.init_process_group(handle.backend, store=FakeStore(), rank=rank, world_size=world_size)
         try:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            memory = MemoryTracker()
+            memory = MemoryTracker(handle.device_type, lambda: handle.current_stream().name)
+            handle.memory = memory
             with fake_mode, memory:
                 yield SimWorld(rank, world_size, handle, memory, fake_mode)
         finally:

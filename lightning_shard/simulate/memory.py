@@ -96,14 +96,11 @@ class MemoryTracker(TorchDispatchMode):
         def observed(func, types, args=(), kwargs=None):
             if tracker._inside_direct_op:  # the fake implementation's own steps (see _DIRECT_OPS)
                 return dispatch(func, types, args, kwargs)
-            if func in _DIRECT_OPS:
-                tracker._inside_direct_op = True
-                try:
-                    out = dispatch(func, types, args, kwargs)
-                finally:
-                    tracker._inside_direct_op = False
-            else:
+            tracker._inside_direct_op = True
+            try:
                 out = dispatch(func, types, args, kwargs)
+            finally:
+                tracker._inside_direct_op = False
             tracker._observe(func, args, out)
             return out
 

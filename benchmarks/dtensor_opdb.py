@@ -55,12 +55,16 @@ RTOL = ATOL = 1e-4  # float32 sums over shards add in another order than the pla
 # their last dim (shard_last), one sharded input among replicated weights (mixed: the first tensor argument on
 # its last dim, the others Replicate) and different shards meeting in one op (alternate: the tensor arguments
 # in turn on their last dim and on dim 0). Odd sizes give uneven shards (torch.chunk's split) on 2 ranks.
+# A row-wise layer's output is a pending sum: partial gives the first tensor argument, if floating, as
+# Partial("sum") (the others Replicate), partial_all every floating one.
 PLACEMENTS = {
     "default": ("replicate", "shard0"),
     "shard1": ("shard1",),
     "shard_last": ("shard_last",),
     "mixed": ("mixed",),
     "alternate": ("alternate",),
+    "partial": ("partial",),
+    "partial_all": ("partial_all",),
 }
 _LABELS = {
     "replicate": "Replicate",
@@ -69,6 +73,8 @@ _LABELS = {
     "shard_last": "Shard(last)",
     "mixed": "first Shard(last)",
     "alternate": "Shard(last)/Shard(0) in turn",
+    "partial": "first Partial",
+    "partial_all": "Partial",
 }
 
 
@@ -82,8 +88,8 @@ def _libs(mesh_ours, mesh_torch) -> dict:
     import lightning_shard.tensor as ls
 
     return {
-        "ours": (mesh_ours, ls.distribute_tensor, ls.Shard, ls.Replicate, ls.DTensor),
-        "torch": (mesh_torch, tdt.distribute_tensor, tdt.Shard, tdt.Replicate, tdt.DTensor),
+        "ours": (mesh_ours, ls.distribute_tensor, ls.Shard, ls.Replicate, ls.DTensor, ls.Partial),
+        "torch": (mesh_torch, tdt.distribute_tensor, tdt.Shard, tdt.Replicate, tdt.DTensor, tdt.Partial),
     }
 
 
@@ -103,16 +109,36 @@ def _shard_dim(mode: str, ndim: int, index: int) -> int | None:
     return None  # "replicate"
 
 
+def _is_partial(mode: str, x: torch.Tensor, index: int) -> bool:
+    """Whether run ``mode`` gives the tensor argument at ``index`` as ``Partial("sum")``: floating and complex
+    ones only (activations; an integer index tensor is never a pending sum in a real model)."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return False
+    return mode == "partial_all" or (mode == "partial" and index == 0)
+
+
+def _partial_local(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank 0 holds ``2 x``, rank 1 ``-x``, any other zeros: their sum is exactly ``x`` (Sterbenz), and a rule
+    that wrongly applies a non-linear op to each addend gives ``f(2x) + f(-x)``, which differs from ``f(x)``
+    unless ``f`` is linear (equal addends would hide ``abs``, ``relu``, ``max`` ...)."""
+    x = x.detach().clone()
+    return 2 * x if rank == 0 else -x if rank == 1 else torch.zeros_like(x)
+
+
 def _distribute(lib, tree, mode: str):
     """Every strided tensor of ``tree`` as a DTensor placed as run ``mode`` says (see ``PLACEMENTS``)."""
-    mesh, distribute, Shard, Replicate, _ = lib
+    mesh, distribute, Shard, Replicate, dtensor_type, Partial = lib
     seen = [0]
 
     def conv(x):
         if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
             return x
-        dim = _shard_dim(mode, x.ndim, seen[0])
+        index = seen[0]
         seen[0] += 1
+        if _is_partial(mode, x, index):
+            local = _partial_local(x, dist.get_rank())
+            return dtensor_type.from_local(local, mesh, [Partial("sum")], run_check=False)
+        dim = _shard_dim(mode, x.ndim, index)
         return distribute(x.detach().clone(), mesh, [Replicate() if dim is None else Shard(dim)])
 
     return pytree.tree_map(conv, tree)

@@ -3,10 +3,11 @@
 Uses the harness of ``benchmarks/dtensor_opdb.py`` with its ``--placements`` modes other than the default
 (Replicate, then Shard(0)): every tensor argument of 2+ dims on dim 1 (``shard1``), every one on its last dim
 (``shard_last``), the first on its last dim and the others Replicate (``mixed``), the arguments in turn on
-their last dim and on dim 0 (``alternate``). The samples' odd sizes give uneven shards on 2 ranks. Each run is
-compared with the plain op on the same sample. The quick tests cover the op families real models use (views,
-the matmul family, reductions, softmax and norms, indexing, cat/stack, where) and each op a mode found wrong;
-the whole database in every mode runs under ``-m slow``.
+their last dim and on dim 0 (``alternate``), the first argument (if floating) or every floating one as
+``Partial("sum")`` (``partial``, ``partial_all``). The samples' odd sizes give uneven shards on 2 ranks. Each
+run is compared with the plain op on the same sample. The quick tests cover the op families real models use
+(views, the matmul family, reductions, softmax and norms, indexing, cat, where) and each op a mode found
+wrong; the whole database in every mode runs under ``-m slow``.
 """
 
 import importlib.util
@@ -17,17 +18,16 @@ import pytest
 import torch
 
 from lightning_shard import init_device_mesh
-from lightning_shard.tensor import DTensor, Shard, distribute_tensor
+from lightning_shard.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from tests.harness import distributed
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
-MODES = ("shard1", "shard_last", "mixed", "alternate")
+MODES = ("shard1", "shard_last", "mixed", "alternate", "partial", "partial_all")
 
 SUBSET = [
-    "reshape", "transpose", "matmul", "addmm", "nn.functional.linear",
-    "sum", "mean", "softmax", "nn.functional.layer_norm",
-    "index_select", "cat", "stack", "where", "unbind_copy",
+    "reshape", "matmul", "nn.functional.linear", "sum", "softmax", "nn.functional.layer_norm",
+    "index_select", "cat", "where", "unbind_copy", "int", "count_nonzero",
 ]  # fmt: skip
 
 
@@ -68,6 +68,45 @@ def test_unbind_copy_along_a_sharded_dim():
         for g, w in zip(got, want):
             assert isinstance(g, DTensor)
             torch.testing.assert_close(g.full_tensor(), w, rtol=0, atol=0)
+
+
+@distributed(world_size=2)
+def test_partial_arguments_sum_to_the_sample():
+    """The harness's Partial arguments are pending sums of ``x`` whose addends differ from ``x / 2``, so a rule
+    that applies a non-linear op to each addend cannot match the plain op by chance."""
+    h = _harness()
+    mesh = init_device_mesh("cpu", (2,))
+    lib = h._libs(mesh, mesh.to_torch())["ours"]
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([0, 2])
+    first, other, ints = h._distribute(lib, (x, x, index), "partial")
+    assert first.placements == (Partial("sum"),) and other.placements == (Replicate(),)
+    assert ints.placements == (Replicate(),)  # an index tensor is never a pending sum
+    torch.testing.assert_close(first.full_tensor(), x, rtol=0, atol=0)
+    addends = [torch.empty_like(x) for _ in range(2)]
+    torch.distributed.all_gather(addends, first.to_local())
+    assert not torch.allclose(addends[0].abs() + addends[1].abs(), x.abs())
+    placements = [t.placements for t in h._distribute(lib, (x, x, index), "partial_all")]
+    assert placements == [(Partial("sum"),), (Partial("sum"),), (Replicate(),)]
+
+
+@distributed(world_size=2)
+def test_partial_sum_cast_to_integer_and_counted():
+    """Truncating or counting each term of a pending sum is not truncating or counting the sum: reduce first."""
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.tensor([[0.7, -1.2, 0.0], [2.5, 0.3, -0.6]])
+    rank = torch.distributed.get_rank()
+    px = DTensor.from_local(2 * x if rank == 0 else -x, mesh, [Partial("sum")])
+    for dtype in (torch.int64, torch.int8, torch.bool):
+        torch.testing.assert_close(px.to(dtype).full_tensor(), x.to(dtype), rtol=0, atol=0)
+    assert px.to(torch.float64).placements == (Partial("sum"),)  # a float cast stays a pending sum
+    torch.testing.assert_close(torch.count_nonzero(px).full_tensor(), torch.count_nonzero(x))
+    torch.testing.assert_close(torch.count_nonzero(px, 1).full_tensor(), torch.count_nonzero(x, 1))
+    ints = torch.zeros(2, 3, dtype=torch.int64)
+    ints.copy_(px.full_tensor())  # the plain reference of a copy_ into an integer DTensor
+    dints = distribute_tensor(torch.zeros(2, 3, dtype=torch.int64), mesh, [Replicate()])
+    dints.copy_(px)
+    torch.testing.assert_close(dints.full_tensor(), ints, rtol=0, atol=0)
 
 
 @distributed(world_size=2, timeout=600)

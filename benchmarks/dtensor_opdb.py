@@ -122,7 +122,10 @@ def _partial_local(x: torch.Tensor, rank: int) -> torch.Tensor:
     that wrongly applies a non-linear op to each addend gives ``f(2x) + f(-x)``, which differs from ``f(x)``
     unless ``f`` is linear (equal addends would hide ``abs``, ``relu``, ``max`` ...)."""
     x = x.detach().clone()
-    return 2 * x if rank == 0 else -x if rank == 1 else torch.zeros_like(x)
+    split = torch.isfinite(2 * x)  # inf - inf is nan: rank 0 holds a non-finite (or overflowing) entry whole
+    if rank == 0:
+        return torch.where(split, 2 * x, x)
+    return torch.where(split, -x, 0) if rank == 1 else torch.zeros_like(x)
 
 
 def _distribute(lib, tree, mode: str):

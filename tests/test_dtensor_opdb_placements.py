@@ -109,6 +109,19 @@ def test_partial_sum_cast_to_integer_and_counted():
     torch.testing.assert_close(dints.full_tensor(), ints, rtol=0, atol=0)
 
 
+@distributed(world_size=2)
+def test_frexp_of_a_partial_sum():
+    """frexp has two outputs: off the same-layout fast path (a Partial input), the rule must place both."""
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.tensor([[0.7, -1.2, 3.0], [0.0, 5.5, -0.25]])
+    rank = torch.distributed.get_rank()
+    px = DTensor.from_local(2 * x if rank == 0 else -x, mesh, [Partial("sum")])
+    mantissa, exponent = torch.frexp(px)
+    want = torch.frexp(x)
+    torch.testing.assert_close(mantissa.full_tensor(), want.mantissa, rtol=0, atol=0)
+    torch.testing.assert_close(exponent.full_tensor(), want.exponent, rtol=0, atol=0)
+
+
 @distributed(world_size=2, timeout=600)
 def test_op_database_subset_in_tensor_parallel_placements():
     results = _run(SUBSET, MODES)

@@ -116,7 +116,9 @@ def pointwise_rule(call: OpCall) -> Plan:
         for j, s in enumerate(specs):
             inputs[j].append(_input_placement(choice, s, here[j], out_shape, call.func))
         outputs.append(choice)
-    plan = Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
+    # frexp returns (mantissa, exponent), each laid out like the result
+    n_out = 0 if inplace else len(call.func._schema.returns)
+    plan = Plan([tuple(p) for p in inputs], [tuple(outputs)] * n_out)
     if call.func in _SCALAR_SHIFTS or (call.func in _ADDITIVE and not isinstance(call.args[1], DTensor)):
         plan.local_args = _shift_on_one_rank(call, inputs[0])
     return plan

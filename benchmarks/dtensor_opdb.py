@@ -56,7 +56,8 @@ RTOL = ATOL = 1e-4  # float32 sums over shards add in another order than the pla
 # its last dim, the others Replicate) and different shards meeting in one op (alternate: the tensor arguments
 # in turn on their last dim and on dim 0). Odd sizes give uneven shards (torch.chunk's split) on 2 ranks.
 # A row-wise layer's output is a pending sum: partial gives the first tensor argument, if floating, as
-# Partial("sum") (the others Replicate), partial_all every floating one.
+# Partial("sum") (the others Replicate), partial_all every floating one; partial_avg the first as Partial("avg")
+# (a mean over an even shard).
 PLACEMENTS = {
     "default": ("replicate", "shard0"),
     "shard1": ("shard1",),
@@ -65,6 +66,7 @@ PLACEMENTS = {
     "alternate": ("alternate",),
     "partial": ("partial",),
     "partial_all": ("partial_all",),
+    "partial_avg": ("partial_avg",),
 }
 _LABELS = {
     "replicate": "Replicate",
@@ -75,6 +77,7 @@ _LABELS = {
     "alternate": "Shard(last)/Shard(0) in turn",
     "partial": "first Partial",
     "partial_all": "Partial",
+    "partial_avg": "first Partial(avg)",
 }
 
 
@@ -114,10 +117,10 @@ def _is_partial(mode: str, x: torch.Tensor, index: int) -> bool:
     ones only (activations; an integer index tensor is never a pending sum in a real model)."""
     if not (x.is_floating_point() or x.is_complex()):
         return False
-    return mode == "partial_all" or (mode == "partial" and index == 0)
+    return mode == "partial_all" or (mode in ("partial", "partial_avg") and index == 0)
 
 
-def _partial_local(x: torch.Tensor, rank: int) -> torch.Tensor:
+def _partial_local(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank 0 holds ``2 x``, rank 1 ``-x``, any other zeros: their sum is exactly ``x`` (Sterbenz), and a rule
     that wrongly applies a non-linear op to each addend gives ``f(2x) + f(-x)``, which differs from ``f(x)``
     unless ``f`` is linear (equal addends would hide ``abs``, ``relu``, ``max`` ...)."""
@@ -126,6 +129,14 @@ def _partial_local(x: torch.Tensor, rank: int) -> torch.Tensor:
     if rank == 0:
         return torch.where(split, 2 * x, x)
     return torch.where(split, -x, 0) if rank == 1 else torch.zeros_like(x)
+
+
+def _avg_local(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``Partial("avg")`` terms of ``x``: ``world`` times the sum terms above (exact: a power of two on 2 and 4
+    ranks), non-finite entries on every rank."""
+    x = x.detach().clone()
+    split = torch.isfinite(2 * world * x)
+    return torch.where(split, world * _partial_local(x, rank, world), x)
 
 
 def _distribute(lib, tree, mode: str):
@@ -139,8 +150,9 @@ def _distribute(lib, tree, mode: str):
         index = seen[0]
         seen[0] += 1
         if _is_partial(mode, x, index):
-            local = _partial_local(x, dist.get_rank())
-            return dtensor_type.from_local(local, mesh, [Partial("sum")], run_check=False)
+            op, terms = ("avg", _avg_local) if mode == "partial_avg" else ("sum", _partial_local)
+            local = terms(x, dist.get_rank(), dist.get_world_size())
+            return dtensor_type.from_local(local, mesh, [Partial(op)], run_check=False)
         dim = _shard_dim(mode, x.ndim, index)
         return distribute(x.detach().clone(), mesh, [Replicate() if dim is None else Shard(dim)])
 

@@ -4,10 +4,11 @@ Uses the harness of ``benchmarks/dtensor_opdb.py`` with its ``--placements`` mod
 (Replicate, then Shard(0)): every tensor argument of 2+ dims on dim 1 (``shard1``), every one on its last dim
 (``shard_last``), the first on its last dim and the others Replicate (``mixed``), the arguments in turn on
 their last dim and on dim 0 (``alternate``), the first argument (if floating) or every floating one as
-``Partial("sum")`` (``partial``, ``partial_all``). The samples' odd sizes give uneven shards on 2 ranks. Each
-run is compared with the plain op on the same sample. The quick tests cover the op families real models use
-(views, the matmul family, reductions, softmax and norms, indexing, cat, where) and each op a mode found
-wrong; the whole database in every mode runs under ``-m slow``.
+``Partial("sum")`` (``partial``, ``partial_all``), the first as ``Partial("avg")`` (``partial_avg``). The
+samples' odd sizes give uneven shards on 2 ranks. Each run is compared with the plain op on the same sample.
+The quick tests cover the op families real models use (views, the matmul family, reductions, softmax and
+norms, indexing, cat, where) and each op a mode found wrong or raising; the whole database in every mode runs
+under ``-m slow``.
 """
 
 import importlib.util
@@ -23,7 +24,7 @@ from tests.harness import distributed
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
-MODES = ("shard1", "shard_last", "mixed", "alternate", "partial", "partial_all")
+MODES = ("shard1", "shard_last", "mixed", "alternate", "partial", "partial_all", "partial_avg")
 
 SUBSET = [
     "reshape", "matmul", "nn.functional.linear", "sum", "softmax", "nn.functional.layer_norm", "index_select",
@@ -91,6 +92,12 @@ def test_partial_arguments_sum_to_the_sample():
     assert not torch.allclose(addends[0].abs() + addends[1].abs(), x.abs())
     placements = [t.placements for t in h._distribute(lib, (x, x, index), "partial_all")]
     assert placements == [(Partial("sum"),), (Partial("sum"),), (Replicate(),)]
+    avg = h._distribute(lib, (x.clone().fill_(float("inf")), x), "partial_avg")
+    assert avg[0].placements == (Partial("avg"),) and torch.isinf(avg[0].full_tensor()).all()
+    (avg,) = h._distribute(lib, (x,), "partial_avg")
+    torch.testing.assert_close(avg.full_tensor(), x, rtol=0, atol=0)
+    torch.distributed.all_gather(addends, avg.to_local())
+    assert not torch.allclose((addends[0].abs() + addends[1].abs()) / 2, x.abs())
 
 
 @distributed(world_size=2)

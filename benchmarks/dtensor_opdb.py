@@ -24,6 +24,14 @@ or in three parts side by side (each a third of the sorted op names), then one t
     python benchmarks/dtensor_opdb.py --report runs/opdb1.jsonl runs/opdb2.jsonl runs/opdb3.jsonl
 
 The table printed at the end is the one in docs/dtensor.md.
+
+``--placements`` picks other placement runs, the layouts of tensor parallelism (see ``PLACEMENTS``): each
+sample runs once, with every tensor argument of 2+ dims ``Shard(1)`` (``shard1``), every one of 1+ dims on its
+last dim (``shard_last``), only the first on its last dim (``mixed``), the arguments in turn on their last dim
+and on dim 0 (``alternate``), or floating arguments as pending sums (``partial``, ``partial_all``,
+``partial_avg``); the other arguments ``Replicate()``. With ``--libs ours`` only our DTensor runs::
+
+    python benchmarks/dtensor_opdb.py --libs ours --placements shard1 --part 1/3 --out shard1_1.jsonl
 """
 
 from __future__ import annotations

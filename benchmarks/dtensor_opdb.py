@@ -24,6 +24,14 @@ or in three parts side by side (each a third of the sorted op names), then one t
     python benchmarks/dtensor_opdb.py --report runs/opdb1.jsonl runs/opdb2.jsonl runs/opdb3.jsonl
 
 The table printed at the end is the one in docs/dtensor.md.
+
+``--placements`` picks other placement runs, the layouts of tensor parallelism (see ``PLACEMENTS``): each
+sample runs once, with every tensor argument of 2+ dims ``Shard(1)`` (``shard1``), every one of 1+ dims on its
+last dim (``shard_last``), only the first on its last dim (``mixed``), the arguments in turn on their last dim
+and on dim 0 (``alternate``), or floating arguments as pending sums (``partial``, ``partial_all``,
+``partial_avg``); the other arguments ``Replicate()``. With ``--libs ours`` only our DTensor runs::
+
+    python benchmarks/dtensor_opdb.py --libs ours --placements shard1 --part 1/3 --out shard1_1.jsonl
 """
 
 from __future__ import annotations
@@ -50,6 +58,37 @@ STATUSES = ("clean", "fallback", "wrong", "error", "skipped")
 RTOL = ATOL = 1e-4  # float32 sums over shards add in another order than the plain op
 
 
+# --placements: the placement runs of each sample. "default" is Replicate, then Shard(0) for every tensor
+# argument of 1+ dims. The others model tensor parallelism: weights sharded on dim 1 (shard1), activations on
+# their last dim (shard_last), one sharded input among replicated weights (mixed: the first tensor argument on
+# its last dim, the others Replicate) and different shards meeting in one op (alternate: the tensor arguments
+# in turn on their last dim and on dim 0). Odd sizes give uneven shards (torch.chunk's split) on 2 ranks.
+# A row-wise layer's output is a pending sum: partial gives the first tensor argument, if floating, as
+# Partial("sum") (the others Replicate), partial_all every floating one; partial_avg the first as Partial("avg")
+# (a mean over an even shard).
+PLACEMENTS = {
+    "default": ("replicate", "shard0"),
+    "shard1": ("shard1",),
+    "shard_last": ("shard_last",),
+    "mixed": ("mixed",),
+    "alternate": ("alternate",),
+    "partial": ("partial",),
+    "partial_all": ("partial_all",),
+    "partial_avg": ("partial_avg",),
+}
+_LABELS = {
+    "replicate": "Replicate",
+    "shard0": "Shard(0)",
+    "shard1": "Shard(1)",
+    "shard_last": "Shard(last)",
+    "mixed": "first Shard(last)",
+    "alternate": "Shard(last)/Shard(0) in turn",
+    "partial": "first Partial",
+    "partial_all": "Partial",
+    "partial_avg": "first Partial(avg)",
+}
+
+
 class Wrong(Exception):
     """A DTensor result differs from the plain op's."""
 
@@ -60,19 +99,70 @@ def _libs(mesh_ours, mesh_torch) -> dict:
     import lightning_shard.tensor as ls
 
     return {
-        "ours": (mesh_ours, ls.distribute_tensor, ls.Shard, ls.Replicate, ls.DTensor),
-        "torch": (mesh_torch, tdt.distribute_tensor, tdt.Shard, tdt.Replicate, tdt.DTensor),
+        "ours": (mesh_ours, ls.distribute_tensor, ls.Shard, ls.Replicate, ls.DTensor, ls.Partial),
+        "torch": (mesh_torch, tdt.distribute_tensor, tdt.Shard, tdt.Replicate, tdt.DTensor, tdt.Partial),
     }
 
 
-def _distribute(lib, tree, shard: bool):
-    mesh, distribute, Shard, Replicate, _ = lib
+def _shard_dim(mode: str, ndim: int, index: int) -> int | None:
+    """The dim a tensor argument of ``ndim`` dims is sharded on in run ``mode`` (None: Replicate). ``index``:
+    its position among the tensor arguments (0: the input, where the op has one)."""
+    if mode == "shard0":
+        return 0 if ndim >= 1 else None
+    if mode == "shard1":
+        return 1 if ndim >= 2 else None
+    if mode == "shard_last":
+        return ndim - 1 if ndim >= 1 else None
+    if mode == "mixed":
+        return ndim - 1 if index == 0 and ndim >= 1 else None
+    if mode == "alternate":  # x on its last dim, w on dim 0 ...: a row-wise matmul's operands, a Partial result
+        return (ndim - 1 if index % 2 == 0 else 0) if ndim >= 1 else None
+    return None  # "replicate"
+
+
+def _is_partial(mode: str, x: torch.Tensor, index: int) -> bool:
+    """Whether run ``mode`` gives the tensor argument at ``index`` as ``Partial("sum")``: floating and complex
+    ones only (activations; an integer index tensor is never a pending sum in a real model)."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return False
+    return mode == "partial_all" or (mode in ("partial", "partial_avg") and index == 0)
+
+
+def _partial_local(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank 0 holds ``2 x``, rank 1 ``-x``, any other zeros: their sum is exactly ``x`` (Sterbenz), and a rule
+    that wrongly applies a non-linear op to each addend gives ``f(2x) + f(-x)``, which differs from ``f(x)``
+    unless ``f`` is linear (equal addends would hide ``abs``, ``relu``, ``max`` ...)."""
+    x = x.detach().clone()
+    split = torch.isfinite(2 * x)  # inf - inf is nan: rank 0 holds a non-finite (or overflowing) entry whole
+    if rank == 0:
+        return torch.where(split, 2 * x, x)
+    return torch.where(split, -x, 0) if rank == 1 else torch.zeros_like(x)
+
+
+def _avg_local(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``Partial("avg")`` terms of ``x``: ``world`` times the sum terms above (exact: a power of two on 2 and 4
+    ranks), non-finite entries on every rank."""
+    x = x.detach().clone()
+    split = torch.isfinite(2 * world * x)
+    return torch.where(split, world * _partial_local(x, rank, world), x)
+
+
+def _distribute(lib, tree, mode: str):
+    """Every strided tensor of ``tree`` as a DTensor placed as run ``mode`` says (see ``PLACEMENTS``)."""
+    mesh, distribute, Shard, Replicate, dtensor_type, Partial = lib
+    seen = [0]
 
     def conv(x):
         if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
             return x
-        placement = Shard(0) if shard and x.ndim >= 1 else Replicate()
-        return distribute(x.detach().clone(), mesh, [placement])
+        index = seen[0]
+        seen[0] += 1
+        if _is_partial(mode, x, index):
+            op, terms = ("avg", _avg_local) if mode == "partial_avg" else ("sum", _partial_local)
+            local = terms(x, dist.get_rank(), dist.get_world_size())
+            return dtensor_type.from_local(local, mesh, [Partial(op)], run_check=False)
+        dim = _shard_dim(mode, x.ndim, index)
+        return distribute(x.detach().clone(), mesh, [Replicate() if dim is None else Shard(dim)])
 
     return pytree.tree_map(conv, tree)
 
@@ -160,9 +250,10 @@ class Desync(Exception):
     """The ranks disagreed on how a run ended (one raised, the other did not, or one hangs)."""
 
 
-def run_op(opinfo, name: str, lib, n_samples: int, sync=None) -> tuple[str, str]:
-    """(status, detail) of one OpInfo through one library. ``sync(status)`` compares how each run ended
-    across ranks and raises ``Desync`` when they differ (the process group may then hold stray messages)."""
+def run_op(opinfo, name: str, lib, n_samples: int, sync=None, placements: str = "default") -> tuple[str, str]:
+    """(status, detail) of one OpInfo through one library, each sample run once per placement run of
+    ``PLACEMENTS[placements]``. ``sync(status)`` compares how each run ended across ranks and raises ``Desync``
+    when they differ (the process group may then hold stray messages)."""
     from lightning_shard.tensor import fallback_counts, reset_fallback_counts
 
     usable, reason = _prepare(opinfo, n_samples)
@@ -172,13 +263,12 @@ def run_op(opinfo, name: str, lib, n_samples: int, sync=None) -> tuple[str, str]
     status, detail = "clean", ""
     reset_fallback_counts()
     for k, (s, want, want_args) in enumerate(usable):
-        for shard in (False, True):
-            where = f"sample {k} {'Shard(0)' if shard else 'Replicate'}"
+        for mode in PLACEMENTS[placements]:
+            where = f"sample {k} {_LABELS[mode]}"
             ended = "ok"
             try:
                 torch.manual_seed(1)
-                args = _distribute(lib, (s.input, s.args), shard)
-                kwargs = _distribute(lib, s.kwargs, shard)
+                args, kwargs = _distribute(lib, ((s.input, s.args), s.kwargs), mode)
                 out = op(args[0], *args[1], **kwargs)
                 _compare(_gather(lib, out), want, f"{where} output")
                 _compare(_gather(lib, (args, kwargs)), want_args, f"{where} arguments")
@@ -270,7 +360,7 @@ def _worker(rank: int, world: int, port: int, argv: dict) -> None:
                     log.write(json.dumps(["__start__", op_key(opinfo), name, ""]) + "\n")
                     log.flush()
                 try:
-                    status, detail = run_op(opinfo, name, libs[name], argv["samples"], sync)
+                    status, detail = run_op(opinfo, name, libs[name], argv["samples"], sync, argv["placements"])
                     desync = False
                 except Desync as e:
                     status, detail, desync = "error", f"{e}"[:300], True
@@ -352,6 +442,12 @@ def main() -> None:
     p.add_argument("--report", nargs="+", default=None, help="print one table over these output files, no run")
     p.add_argument("--libs", nargs="*", default=list(LIBS), choices=LIBS)
     p.add_argument("--samples", type=int, default=3)
+    p.add_argument(
+        "--placements",
+        default="default",
+        choices=sorted(PLACEMENTS),
+        help="the placement runs of each sample (default: Replicate, then Shard(0)); see PLACEMENTS",
+    )
     p.add_argument("--out", default="dtensor_opdb.jsonl", help="one line per (op, library); a rerun resumes")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
@@ -363,7 +459,14 @@ def main() -> None:
         return
     if a.part:
         a.ops = (a.ops or []) + part_names(a.part)
-    argv = {"ops": a.ops, "libs": a.libs, "samples": a.samples, "out": a.out, "verbose": a.verbose or bool(a.ops)}
+    argv = {
+        "ops": a.ops,
+        "libs": a.libs,
+        "samples": a.samples,
+        "out": a.out,
+        "verbose": a.verbose or bool(a.ops),
+        "placements": a.placements,
+    }
     while ("__finished__", "") not in _done(a.out):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

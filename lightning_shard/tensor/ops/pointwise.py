@@ -4,7 +4,7 @@ Per mesh dim: the output follows the first argument sharded on a non-broadcast d
 ``self`` argument); the other arguments are redistributed to match (a broadcast dim is replicated). A
 ``Partial`` survives only where the op is linear in it: ``add``/``sub`` of partials (a replicated operand
 is turned into a partial term locally), ``mul``/``div`` of one partial by replicated values, ``neg``, and
-copies/casts. Everywhere else partials are reduced first.
+copies/casts (except a sum's cast to an integer or bool dtype). Everywhere else partials are reduced first.
 
 Example: ``x (Shard(0)) + bias (Replicate())`` runs locally and returns ``Shard(0)``.
 """
@@ -60,6 +60,17 @@ def _tensor_args(call: OpCall) -> list:
     return [a for a in call.flat if isinstance(a, torch.Tensor)]
 
 
+def _casts_to_integer(call: OpCall) -> bool:
+    """Whether a copy op writes an integer or bool result (``_to_copy(dtype=...)``, ``copy_`` into one)."""
+    if call.func == aten._to_copy.default:
+        dtype = call.kwargs.get("dtype")
+    elif call.func == aten.copy_.default:
+        dtype = call.args[0].dtype
+    else:
+        return False
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
+
+
 def _partial_ok(call: OpCall, partials: list[Partial], position_of_partial: list[int]) -> bool:
     """Whether the op may keep a Partial on this mesh dim, given which DTensor args are partial."""
     func = call.func
@@ -68,7 +79,9 @@ def _partial_ok(call: OpCall, partials: list[Partial], position_of_partial: list
         return False
     (op,) = ops
     if func in _COPIES:
-        return True
+        # a sum of truncated terms is not the truncated sum: a cast of a sum/avg partial to an integer or
+        # bool dtype reduces first (max/min commute with the monotone cast)
+        return op in ("max", "min") or not _casts_to_integer(call)
     if op not in ("sum", "avg"):
         return False
     if func in _SCALAR_LINEAR:
@@ -103,7 +116,9 @@ def pointwise_rule(call: OpCall) -> Plan:
         for j, s in enumerate(specs):
             inputs[j].append(_input_placement(choice, s, here[j], out_shape, call.func))
         outputs.append(choice)
-    plan = Plan([tuple(p) for p in inputs], [] if inplace else [tuple(outputs)])
+    # frexp returns (mantissa, exponent), each laid out like the result
+    n_out = 0 if inplace else len(call.func._schema.returns)
+    plan = Plan([tuple(p) for p in inputs], [tuple(outputs)] * n_out)
     if call.func in _SCALAR_SHIFTS or (call.func in _ADDITIVE and not isinstance(call.args[1], DTensor)):
         plan.local_args = _shift_on_one_rank(call, inputs[0])
     return plan

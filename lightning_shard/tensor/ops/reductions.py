@@ -14,7 +14,8 @@ Per mesh dim, a shard of a dim that is *not* reduced stays (moved to its output 
 - ``max.dim``/``min.dim`` (indices must be global), ``argmax``/``argmin``, ``var``/``std``, ``all``/``any``,
   ``prod``, ``logsumexp`` and scans along a dim: that dim is replicated first.
 
-A ``Partial`` input passes through linear reductions (sum/mean of sum/avg partials, amax of max partials).
+A ``Partial`` input passes through linear reductions (sum/mean of sum/avg partials, amax of max partials);
+``count_nonzero`` reduces it first.
 
 Example::
 
@@ -146,10 +147,18 @@ def reduction_placements(
     return tuple(ins), tuple(outs)
 
 
+# Local counts of a shard add up, but counting is not linear in the values: a Partial input is reduced first.
+_COUNTS = {aten.count_nonzero.default, aten.count_nonzero.dim_IntList}
+
+
 def reduction_rule(call: OpCall) -> Plan:
     spec = call.specs[0]
     dims, keepdim = reduced_dims(call.func, call.args, call.kwargs, spec.ndim)
     ins, outs = reduction_placements(spec, dims, keepdim, _KIND[call.func])
+    if call.func in _COUNTS:
+        keep = [not p.is_partial() for p in spec.placements]
+        ins = tuple(p if k else REPLICATE for p, k in zip(ins, keep))
+        outs = tuple(p if k else REPLICATE for p, k in zip(outs, keep))
     n_out = 2 if call.func in (aten.max.dim, aten.min.dim, aten.var_mean.correction, aten.std_mean.correction) else 1
     return Plan([ins], [outs] * n_out)
 

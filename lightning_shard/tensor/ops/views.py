@@ -299,9 +299,10 @@ def _n_outputs(call: OpCall) -> int:
 def split_rule(call: OpCall) -> Plan:
     """The split dim is replicated (pieces are global ranges); other dims keep their shard."""
     (spec,) = call.specs
-    default = 0
-    dim = normalize_dim(_arg(call, 2 if call.func != aten.unbind.int else 1, "dim", default), spec.ndim)
-    if call.func == aten.unbind.int:
+    # unbind_copy shares this rule (_register_copy_variants): its dim is its second argument too.
+    unbind = call.func in (aten.unbind.int, aten.unbind_copy.int)
+    dim = normalize_dim(_arg(call, 1 if unbind else 2, "dim", 0), spec.ndim)
+    if unbind:
         ins, outs = map_shards(spec.placements, lambda d: None if d == dim else d - (d > dim))
     else:
         ins, outs = map_shards(spec.placements, lambda d: None if d == dim else d)

@@ -2,20 +2,25 @@
 
 Training runs the backward of every op through the DTensor too: autograd calls the ``*_backward`` aten ops
 (and the ops of composite backwards) on DTensors, so a sharding rule or the replicate fallback must give the
-right gradient, with the input's placements. For every OpInfo of ``op_db`` with ``supports_autograd`` and
-float32 samples (the first ``--samples``), each sample is run twice per library, once with every
-differentiable floating tensor argument a ``Replicate()`` leaf DTensor that requires grad and once with every
-such argument of 1 dim or more ``Shard(0)`` (the other tensor arguments, indices and masks, distributed the
-same way without grad). A fixed upstream gradient (``torch.randn`` with a fixed seed, the same on every rank)
-per floating output that requires grad, distributed like the output (``Partial`` as ``Replicate``), is
-backpropagated; every input's ``.grad`` is gathered (``full_tensor()``) and compared with the plain op's
-(rtol = atol = 1e-4); it must be a DTensor of the input's shape on its mesh whose local shard matches its own
-placements (autograd keeps whatever placements the backward produced, as in torch's DTensor: a replicated
-input's gradient may be ``Partial``). Statuses as in
-``dtensor_opdb.py``: ``clean``, ``fallback`` (some op of forward or backward through our replicate fallback),
-``wrong`` (a gradient differs, is not a DTensor, or its shape or local shard does not fit: the worst outcome),
-``error`` (a run raised) and ``skipped`` (no autograd, no differentiable output, the plain op raises, or the
-gradients are random).
+right gradient. For every OpInfo of ``op_db`` with ``supports_autograd`` and float32 samples (the first
+``--samples``), each sample is run twice per library, once with every differentiable floating tensor argument a
+``Replicate()`` leaf DTensor that requires grad and once with every such argument of 1 dim or more ``Shard(0)``
+(the other tensor arguments, indices and masks, distributed the same way without grad). A fixed upstream
+gradient (``torch.randn`` with a fixed seed, the same on every rank) per floating output that requires grad,
+distributed like the output (``Partial`` as ``Replicate``), is backpropagated; every input's ``.grad`` is
+gathered (``full_tensor()``) and compared with the plain op's (rtol = atol = 1e-4). It must be a DTensor of the
+input's shape on its mesh whose local shard matches its own placements (autograd keeps whatever placements the
+backward produced, as torch's DTensor does: a replicated input's gradient may be ``Partial``). Per library an
+op is
+
+- ``clean``: every gradient matches and no op of forward or backward went through our replicate fallback;
+- ``fallback``: every gradient matches, some op through the fallback (named in the detail);
+- ``zeros``: every gradient matches, but an all-zero one is a plain tensor: torch's derivative formula builds it
+  with ``at::zeros(self.sizes(), ...)``, below any tensor subclass (torch's DTensor gets the same);
+- ``wrong``: a gradient differs, is missing, is not a DTensor, or its shape or local shard does not fit -- the
+  worst outcome;
+- ``error``: some run raised (the detail is the last error);
+- ``skipped``: no autograd, no differentiable output, the plain op raises, or the gradients are random.
 
 Run (ours only; torch's comparison doubles the time)::
 
@@ -48,7 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # dtensor_opdb, the fo
 import dtensor_opdb as fwd  # noqa: E402
 
 LIBS = fwd.LIBS
+STATUSES = ("clean", "fallback", "zeros", "wrong", "error", "skipped")
 Wrong = fwd.Wrong
+
+
+class PlainZeros(Exception):
+    """A DTensor input's gradient is right (all zeros) but a plain tensor: torch's derivative formula builds it
+    with ``at::zeros(self.sizes(), ...)``, below any tensor subclass (torch's DTensor gets the same)."""
 
 
 def _is_float(x) -> bool:
@@ -178,6 +189,7 @@ def _check_grads(lib, leaves, want, where: str) -> None:
     """Each leaf's gradient: a DTensor of the leaf's shape on its mesh, a local shard consistent with its
     placements, and equal to the plain gradient once gathered."""
     dtensor_type = lib[4]
+    plain_zeros = []
     for i, (leaf, w) in enumerate(zip(leaves, want)):
         g = leaf.grad
         what = f"{where} grad of input {i}"
@@ -188,6 +200,9 @@ def _check_grads(lib, leaves, want, where: str) -> None:
                 raise Wrong(f"{what}: {'missing' if g is None else 'unexpected'} gradient")
             continue
         if not isinstance(g, dtensor_type):
+            if g.shape == leaf.shape and not g.any() and not w.any():
+                plain_zeros.append(what)
+                continue
             raise Wrong(f"{what}: a {type(g).__name__}, not a DTensor")
         if g.shape != leaf.shape or g.device_mesh != leaf.device_mesh:
             raise Wrong(f"{what}: shape {tuple(g.shape)} != the input's {tuple(leaf.shape)} (or another mesh)")
@@ -195,6 +210,8 @@ def _check_grads(lib, leaves, want, where: str) -> None:
         if local != _local_shape(g.shape, g.placements, g.device_mesh):
             raise Wrong(f"{what}: local shape {local} does not match {g.placements} of {tuple(g.shape)}")
         fwd._compare(g.full_tensor(), w, what)
+    if plain_zeros:
+        raise PlainZeros(f"{plain_zeros[0]}: a plain tensor of zeros")
 
 
 def _run_sample(op, lib, sample, want, shard: bool, where: str) -> None:
@@ -223,6 +240,10 @@ def run_op(opinfo, name: str, lib, n_samples: int, sync=None) -> tuple[str, str]
                 _run_sample(opinfo.op, lib, s, want, shard, where)
             except Wrong as e:
                 status, detail, ended = "wrong", str(e), "wrong"
+            except PlainZeros as e:
+                ended = "zeros"
+                if status in ("clean", "zeros"):
+                    status, detail = "zeros", str(e)
             except Exception as e:  # noqa: BLE001
                 if any(w in str(e) for w in fwd._BROKEN_GROUP):
                     raise fwd.Desync(f"{where}: a collective timed out ({str(e).splitlines()[0][:120]})") from None
@@ -280,6 +301,26 @@ def _worker(rank: int, world: int, port: int, argv: dict) -> None:
     dist.destroy_process_group()
 
 
+def table(results: dict, libs) -> str:
+    lines = ["| | " + " | ".join(libs) + " |", "| --- |" + " --- |" * len(libs)]
+    for st in STATUSES:
+        counts = [sum(1 for r in results.values() if r[lib][0] == st) for lib in libs]
+        lines.append(f"| {st} | " + " | ".join(map(str, counts)) + " |")
+    lines.append("| total | " + " | ".join(str(len(results)) for _ in libs) + " |")
+    return "\n".join(lines)
+
+
+def report(results: dict, libs) -> None:
+    """The table, then every op that is not clean with its detail (the fallback ones with the ops that fell back)."""
+    print(table(results, libs))
+    for lib in libs:
+        for st in ("fallback", "zeros", "wrong", "error"):
+            names = sorted(k for k, r in results.items() if r[lib][0] == st)
+            print(f"\n{lib} {st} ({len(names)}):")
+            for k in names:
+                print(f"  {k}: {results[k][lib][1]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", nargs="*", default=None, help="OpInfo names (default: all of op_db)")
@@ -294,7 +335,7 @@ def main() -> None:
         results: dict = {}
         for path in a.report:
             results.update(fwd._results(path))
-        fwd.report(results, a.libs)
+        report(results, a.libs)
         return
     if a.part:
         a.ops = (a.ops or []) + fwd.part_names(a.part)
@@ -307,7 +348,7 @@ def main() -> None:
             mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
         except mp.ProcessExitedException:
             fwd._record_crash(a.out)
-    fwd.report(fwd._results(a.out), a.libs)
+    report(fwd._results(a.out), a.libs)
 
 
 if __name__ == "__main__":

@@ -289,6 +289,8 @@ def _register() -> None:
     register(aten.kthvalue.default, aten.mode.default)(dimwise(along_dim(-1, keepdim_arg=True)))
     register(aten.median.dim, aten.nanmedian.dim)(dimwise(along_dim(-1, keepdim_arg=True)))
     register(aten.glu.default)(dimwise(along_dim(-1, reduces=False)))
+    # grad_output has half of self's length on dim; every other dim keeps the shards both share
+    register(aten.glu_backward.default)(dimwise(along_dim(-1, reduces=False)))
     register(aten.linalg_cross.default)(dimwise(along_dim(-1, reduces=False)))
     register(
         aten.index_fill.int_Scalar,

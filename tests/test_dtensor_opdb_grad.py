@@ -8,8 +8,8 @@ softmax, losses, views, cat/stack, gather/index_select, where) and the ones whos
 - backwards that build a plain tensor from a DTensor's global sizes (``at::zeros(self.sizes())``) and mix it
   with DTensors (``index_put``, ``prod``, ``select_scatter``, ``cummax`` ...) raised "got a plain torch.Tensor
   mixed with DTensor arguments"; ``cummax`` of a 0-dim input crashed in the scatter rule;
-- activation backwards torch does not tag as pointwise (``leaky_relu``, ``softplus``, ``hardswish``) and
-  ``glu``'s went through the replicate fallback.
+- activation backwards torch does not tag as pointwise (``leaky_relu``, ``softplus``, ``hardswish``),
+  ``glu``'s and group norm's went through the replicate fallback.
 
 Two direct tests pin the safety of the first fix: a plain tensor that differs between ranks inside a backward
 still raises on every rank, and one in forward code still raises. The full database runs under ``-m slow``.
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_shard import init_device_mesh
-from lightning_shard.tensor import Replicate, Shard, distribute_tensor
+from lightning_shard.tensor import Replicate, Shard, distribute_tensor, fallback_counts, reset_fallback_counts
 from tests.harness import distributed
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
@@ -115,6 +115,26 @@ def test_cummax_of_a_0_dim_dtensor_backward():
     ref = torch.tensor(2.5, requires_grad=True)
     (torch.cummax(ref, 0)[0] * 3).backward()
     torch.testing.assert_close(x.grad.full_tensor(), ref.grad)
+
+
+@distributed(world_size=2)
+def test_group_norm_backward_keeps_the_batch_shard():
+    """native_group_norm_backward went through the replicate fallback; uneven batch (3 over 2 ranks)."""
+    torch.manual_seed(0)
+    x, w, b, up = torch.randn(3, 4, 5), torch.randn(4), torch.randn(4), torch.randn(3, 4, 5)
+    mesh = init_device_mesh("cpu", (2,))
+    leaves = [
+        distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in ((x, Shard(0)), (w, Replicate()), (b, Replicate()))
+    ]
+    reset_fallback_counts()
+    out = torch.nn.functional.group_norm(leaves[0], 2, leaves[1], leaves[2])
+    out.backward(distribute_tensor(up, mesh, [Shard(0)]))
+    assert fallback_counts() == {}
+    assert leaves[0].grad.placements == (Shard(0),)
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    torch.nn.functional.group_norm(refs[0], 2, refs[1], refs[2]).backward(up)
+    for leaf, ref in zip(leaves, refs):
+        torch.testing.assert_close(leaf.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

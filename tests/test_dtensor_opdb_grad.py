@@ -78,16 +78,21 @@ def test_op_database_gradients_subset():
 
 
 class _MixesPlain(torch.autograd.Function):
-    """Identity forward; the backward adds a plain tensor, rank-dependent or not, to the DTensor gradient."""
+    """Identity forward; the backward adds a plain tensor to the DTensor gradient: the same on every rank
+    (``"same"``), with rank-dependent values (``"values"``) or a rank-dependent shape (``"shape"``)."""
 
     @staticmethod
-    def forward(ctx, x, per_rank: bool):
-        ctx.per_rank = per_rank
+    def forward(ctx, x, mode: str):
+        ctx.mode = mode
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        plain = torch.full(grad.shape, float(dist.get_rank() if ctx.per_rank else 3))
+        rank = dist.get_rank()
+        if ctx.mode == "shape":
+            plain = torch.ones(4 if rank == 0 else 1, 3)  # broadcasts either way; an all-reduce of each would hang
+        else:
+            plain = torch.full(grad.shape, float(rank if ctx.mode == "values" else 3))
         return grad + plain, None
 
 
@@ -95,11 +100,12 @@ class _MixesPlain(torch.autograd.Function):
 def test_plain_tensor_in_backward_is_replicated_only_when_the_same_on_every_rank():
     mesh = init_device_mesh("cpu", (2,))
     x = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]).requires_grad_()
-    _MixesPlain.apply(x, False).sum().backward()
+    _MixesPlain.apply(x, "same").sum().backward()
     torch.testing.assert_close(x.grad.full_tensor(), torch.full((4, 3), 4.0))
-    y = distribute_tensor(torch.randn(4, 3), mesh, [Replicate()]).requires_grad_()
-    with pytest.raises(RuntimeError, match="mixed with DTensor arguments.*differs"):
-        _MixesPlain.apply(y, True).sum().backward()
+    for mode in ("values", "shape"):
+        y = distribute_tensor(torch.randn(4, 3), mesh, [Replicate()]).requires_grad_()
+        with pytest.raises(RuntimeError, match="mixed with DTensor arguments.*differs"):
+            _MixesPlain.apply(y, mode).sum().backward()
     with pytest.raises(RuntimeError, match="mixed with DTensor arguments"):
         _ = y + torch.zeros(4, 3)  # forward code: refused without a collective, as before
 

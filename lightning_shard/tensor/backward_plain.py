@@ -6,9 +6,9 @@ global shape, the same on every rank, and combine it with DTensors (the backward
 (``index_put``), ``cummax``, ``cumprod``, ``prod``, ``trace``, ``select_scatter``, ``slice_scatter``,
 ``diagonal_scatter``, ``put``, ``mvlgamma`` ...). Dispatch refuses a plain tensor of several elements mixed with
 DTensors, because in forward code it is usually a rank-local tensor (a bug to report, not to guess at). Inside
-a backward pass it accepts one as ``Replicate`` once a collective has confirmed that it is bitwise the same on
-every rank of the mesh. Every rank runs the same backward graph, so all of them reach the check and all of them
-reach the same answer: when the tensors differ, every rank raises the usual error.
+a backward pass it accepts one as ``Replicate`` once collectives have confirmed that it has the same shape and
+bits on every rank of the mesh. Every rank runs the same backward graph, so all of them reach the check and all
+of them reach the same answer: when the tensors differ, every rank raises the usual error.
 
 Example (inside ``dispatch.make_call``)::
 
@@ -41,12 +41,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return x.view(_INT_OF_SIZE[x.element_size()]).to(torch.int64)
 
 
-def same_on_every_rank(t: torch.Tensor, mesh) -> bool:
-    """Whether ``t`` holds the same bits on every rank of ``mesh`` (one max all-reduce per mesh dim of the
-    bits and their complement: max == min elementwise, which every rank reads off the same reduced values)."""
-    bits = _bits(t)
-    both = torch.cat([bits, ~bits])  # max(~b) = ~min(b), without the overflow of -b
+def _max_equals_min(values: torch.Tensor, mesh) -> bool:
+    """Whether the int64 ``values`` are the same on every rank of ``mesh``: one max all-reduce per mesh dim of
+    the values and their complement gives max and min elementwise, which every rank then reads alike."""
+    both = torch.cat([values, ~values])  # max(~v) = ~min(v), without the overflow of -v
     for dim in range(mesh.ndim):
         comm.all_reduce(both, mesh.get_group(dim), op="max")
-    n = bits.numel()
+    n = values.numel()
     return torch.equal(both[:n], ~both[n:])
+
+
+def same_on_every_rank(t: torch.Tensor, mesh) -> bool:
+    """Whether ``t`` has the same shape and bits on every rank of ``mesh``. The shape is compared first, in a
+    fixed-size collective, so that ranks holding tensors of different sizes never enter a collective of
+    different sizes (which would hang)."""
+    shape = torch.tensor([t.numel(), hash(tuple(t.shape))], dtype=torch.int64, device=t.device)
+    return _max_equals_min(shape, mesh) and _max_equals_min(_bits(t), mesh)

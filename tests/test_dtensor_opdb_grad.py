@@ -9,7 +9,8 @@ softmax, losses, views, cat/stack, gather/index_select, where) and the ones whos
   with DTensors (``index_put``, ``prod``, ``select_scatter``, ``cummax`` ...) raised "got a plain torch.Tensor
   mixed with DTensor arguments"; ``cummax`` of a 0-dim input crashed in the scatter rule;
 - activation backwards torch does not tag as pointwise (``leaky_relu``, ``softplus``, ``hardswish``),
-  ``glu``'s and group norm's went through the replicate fallback.
+  ``glu``'s, the pooling backwards (``avg_pool2d``, ``adaptive_avg_pool2d``) and group norm's went through the
+  replicate fallback.
 
 Two direct tests pin the safety of the first fix: a plain tensor that differs between ranks inside a backward
 still raises on every rank, and one in forward code still raises. The full database runs under ``-m slow``.
@@ -34,12 +35,10 @@ REAL_MODELS = [
     "nn.functional.cross_entropy", "cat", "gather", "where",
 ]  # fmt: skip
 FORMULA_PLAIN = ["index_put", "prod", "select_scatter", "cummax"]
-ACTIVATION_BACKWARDS = [
-    "nn.functional.leaky_relu",
-    "nn.functional.softplus",
-    "nn.functional.hardswish",
-    "nn.functional.glu",
-]
+RULE_BACKWARDS = [
+    "nn.functional.leaky_relu", "nn.functional.softplus", "nn.functional.hardswish", "nn.functional.glu",
+    "nn.functional.avg_pool2d", "nn.functional.adaptive_avg_pool2d",
+]  # fmt: skip
 
 
 def _harness():
@@ -67,13 +66,13 @@ def _run(names, samples: int = 3):
 
 @distributed(world_size=2, timeout=600)
 def test_op_database_gradients_subset():
-    results = _run(REAL_MODELS + FORMULA_PLAIN + ACTIVATION_BACKWARDS, samples=2)
-    assert len(results) >= len(REAL_MODELS + FORMULA_PLAIN + ACTIVATION_BACKWARDS), sorted(results)
+    results = _run(REAL_MODELS + FORMULA_PLAIN + RULE_BACKWARDS, samples=2)
+    assert len(results) >= len(REAL_MODELS + FORMULA_PLAIN + RULE_BACKWARDS), sorted(results)
     bad = {k: r for k, r in results.items() if r[0] in ("wrong", "error", "skipped")}
     assert not bad, bad
     for name in FORMULA_PLAIN:
         assert results[name][0] in ("clean", "fallback"), (name, results[name])
-    for name in ACTIVATION_BACKWARDS:
+    for name in RULE_BACKWARDS:
         assert results[name][0] == "clean", (name, results[name])
 
 

@@ -39,6 +39,7 @@ from lightning_shard.tensor._decisions import (
     dispatch_cache_info,
 )
 from lightning_shard.tensor._submesh import align_meshes, target_mesh
+from lightning_shard.tensor.backward_plain import in_backward, same_on_every_rank
 from lightning_shard.tensor.dtensor import DTensor
 from lightning_shard.tensor.fallback import fallback_counts, reset_fallback_counts, run_fallback
 from lightning_shard.tensor.implicit import implicit_replication_enabled
@@ -340,13 +341,18 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
         promoted = True
     for i, a in enumerate(flat):
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0:
-            if a.numel() != 1 and not implicit_replication_enabled():
+            if a.numel() != 1 and not implicit_replication_enabled() and not _formula_tensor(a, mesh):
                 raise RuntimeError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensor arguments "
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
                     + (
-                        _full_copy_hint(func, flat, a)
+                        (
+                            in_backward()
+                            and "; inside a backward pass it is taken as replicated only when it is the "
+                            "same on every rank, and it differs"
+                        )
+                        or _full_copy_hint(func, flat, a)
                         or _optimizer_hint()
                         or _global_shape_hint(flat, positions, a)
                         or _fsdp_hint(specs)
@@ -364,6 +370,12 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
         positions = [i for i, a in enumerate(flat) if isinstance(a, DTensor)]
         specs = [flat[i]._spec for i in positions]
     return OpCall(func, args, kwargs, flat, positions, specs, mesh)
+
+
+def _formula_tensor(a: torch.Tensor, mesh) -> bool:
+    """A plain tensor a derivative formula built from a DTensor's global sizes (``at::zeros(self.sizes())``):
+    inside a backward pass, taken as Replicate once it is confirmed the same on every rank (backward_plain.py)."""
+    return in_backward() and same_on_every_rank(a, mesh)
 
 
 def run_plan(call: OpCall, plan: Plan, meta_out=None):

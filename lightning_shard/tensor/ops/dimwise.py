@@ -194,9 +194,17 @@ def _register() -> None:
             "upsample_linear1d",
             "reflection_pad1d",
             "replication_pad1d",
+            # backwards: grad_output first; self (and indices) share its batch and channel dims
+            "reflection_pad1d_backward",
+            "replication_pad1d_backward",
         ],
         2: [
             "max_pool2d_with_indices_backward",  # grad_output first; self and indices have its shape
+            "avg_pool2d_backward",
+            "_adaptive_avg_pool2d_backward",
+            "adaptive_max_pool2d_backward",
+            "reflection_pad2d_backward",
+            "replication_pad2d_backward",
             "tril",
             "triu",
             "avg_pool2d",
@@ -246,6 +254,12 @@ def _register() -> None:
             "max_unpool3d",
             "reflection_pad3d",
             "replication_pad3d",
+            "avg_pool3d_backward",
+            "_adaptive_avg_pool3d_backward",
+            "adaptive_max_pool3d_backward",
+            "max_pool3d_with_indices_backward",
+            "reflection_pad3d_backward",
+            "replication_pad3d_backward",
             "pixel_shuffle",  # (*, C, H, W): channels move into the spatial dims
             "pixel_unshuffle",
             "channel_shuffle",
@@ -289,6 +303,8 @@ def _register() -> None:
     register(aten.kthvalue.default, aten.mode.default)(dimwise(along_dim(-1, keepdim_arg=True)))
     register(aten.median.dim, aten.nanmedian.dim)(dimwise(along_dim(-1, keepdim_arg=True)))
     register(aten.glu.default)(dimwise(along_dim(-1, reduces=False)))
+    # grad_output has half of self's length on dim; every other dim keeps the shards both share
+    register(aten.glu_backward.default)(dimwise(along_dim(-1, reduces=False)))
     register(aten.linalg_cross.default)(dimwise(along_dim(-1, reduces=False)))
     register(
         aten.index_fill.int_Scalar,

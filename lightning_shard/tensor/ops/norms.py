@@ -1,4 +1,5 @@
-"""Normalisation layers: ``native_layer_norm`` and ``_fused_rms_norm``, forward and backward.
+"""Normalisation layers: ``native_layer_norm`` and ``_fused_rms_norm``, forward and backward, and
+``native_group_norm``'s backward (its forward is a ``dimwise.py`` rule).
 
 The normalised (trailing) dims must be whole on every rank, so shards on them are gathered and every
 ``Partial`` is reduced; a shard on a leading dim stays (rows are normalised independently). ``weight`` and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_shard.tensor._layout import local_shape_and_offset
 from lightning_shard.tensor.ops._common import REPLICATE
 from lightning_shard.tensor.ops._registry import OpCall, Plan, register
 from lightning_shard.tensor.placements import Partial, Placement
@@ -74,6 +76,26 @@ def rms_norm_backward_rule(call: OpCall) -> Plan:
     mask = call.args[5]
     has = [mask[0], mask[1] and call.args[4] is not None]
     return _backward_plan(call, chosen, n_main=3, has_outputs=has)
+
+
+@register(aten.native_group_norm_backward.default)
+def group_norm_backward_rule(call: OpCall) -> Plan:
+    """Args: ``grad_out, input, mean, rstd, weight?, N, C, HxW, group, output_mask``. Groups are normalised per
+    sample, so a batch (dim 0) shard stays, as in the forward (``dimwise.py``), where every rank holds a piece
+    (the kernel refuses an empty batch); ``mean``/``rstd`` are ``(N, group)`` and follow it. The local call
+    gets the local batch size."""
+    grad, x = call.specs[0], call.specs[1]
+    chosen = list(_choose([x, grad], call.mesh.ndim, axis=1))
+    ways = 1
+    for i, p in enumerate(chosen):
+        ways *= call.mesh.size(i) if p.is_shard() else 1
+    if x.shape[0] < ways:
+        chosen = [REPLICATE] * call.mesh.ndim
+    chosen = tuple(chosen)
+    plan = _backward_plan(call, chosen, n_main=4, has_outputs=list(call.args[9]))
+    n_local = local_shape_and_offset(x.shape, chosen, call.mesh.shape, call.mesh.get_coordinate())[0][0]
+    plan.local_args = ((*call.args[:5], n_local, *call.args[6:]), call.kwargs)
+    return plan
 
 
 def _backward_plan(call: OpCall, chosen: tuple[Placement, ...], n_main: int, has_outputs: list[bool]) -> Plan:

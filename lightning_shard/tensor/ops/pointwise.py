@@ -194,6 +194,16 @@ def _register_all() -> None:
         aten._conj.default,  # a view setting the conjugate bit (hfft, ihfft)
         aten.fill.Scalar,
         aten.fill.Tensor,
+        # activation backwards (grad_output, self or result): elementwise, untagged; they used the fallback
+        aten.elu_backward.default,
+        aten.hardtanh_backward.default,
+        aten.leaky_relu_backward.default,
+        aten.softplus_backward.default,
+        aten.hardswish_backward.default,
+        aten.hardsigmoid_backward.default,
+        aten.hardshrink_backward.default,
+        aten.softshrink_backward.default,
+        aten.mish_backward.default,
     }
     explicit = _ADDITIVE | _MULTIPLICATIVE | _SCALAR_LINEAR | _COPIES | _AVG_SHIFTS | {aten.fill_.Scalar} | untagged
     for op in explicit:

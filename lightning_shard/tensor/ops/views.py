@@ -573,6 +573,10 @@ def scatter_rule(call: OpCall) -> Plan:
     """``self`` with ``src`` scattered along ``dim`` at ``index`` (the backward of gather / max.dim): dims
     other than ``dim`` stay sharded where all three agree in length; a partial ``src`` makes the result
     partial (``self`` becomes a partial term) since scattering is linear in (self, src)."""
+    if len(call.specs) != 3:
+        # A plain 0-dim argument (cummax's backward of a 0-dim input builds its zeros with at::zeros, not
+        # from a DTensor): the fallback handles it, 0-dim tensors being the same on every rank.
+        return None
     self_spec, idx_spec, src_spec = call.specs
     dim = normalize_dim(call.args[1], self_spec.ndim)
     inplace = call.is_inplace()

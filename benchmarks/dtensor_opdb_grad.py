@@ -142,7 +142,7 @@ def _prepare(opinfo, n_samples: int):
 
 def _distributed_leaves(lib, sample, shard: bool):
     """The sample as DTensors: differentiable floating tensors become leaves that require grad."""
-    mesh, distribute, Shard, Replicate, _ = lib
+    mesh, distribute, Shard, Replicate = lib[:4]
     leaves = []
 
     def conv(x):
@@ -160,7 +160,7 @@ def _distributed_leaves(lib, sample, shard: bool):
 
 def _distributed_upstream(lib, outs, grads) -> list:
     """Each upstream gradient distributed like its output (a ``Partial`` output takes a ``Replicate`` one)."""
-    mesh, distribute, _, Replicate, dtensor_type = lib
+    mesh, distribute, _, Replicate, dtensor_type = lib[:5]
     placed = []
     for o, g in zip(outs, grads):
         if isinstance(o, dtensor_type):

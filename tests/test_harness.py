@@ -42,6 +42,7 @@ def test_failing_rank_traceback_is_reported():
     run_distributed(_sum_of_ranks, 2, 1.0)  # a fresh pool replaces the broken one
 
 
+@pytest.mark.slow
 def test_hang_times_out_with_clear_message():
     with pytest.raises(TimeoutError, match=r"did not finish within 5s on ranks \[0\]"):
         run_distributed(_hang_on_rank_zero, 2, timeout=5)

@@ -123,9 +123,14 @@ def test_init_from_environment_when_no_group_exists():
     ranks = _all_gather_objects(mesh.get_local_rank())
     assert ranks == [0, 1]
     dist.destroy_process_group()
-    # Every group a mesh creates gets the default group's timeout: with gloo's 30-minute default a rank waiting
-    # in a sub-group (tensor parallel) for a failed peer waits that long (tests/test_faults_exceptions.py, slow,
-    # waits it out on 4 ranks).
+
+
+@distributed(world_size=2, fresh=True)
+def test_mesh_groups_get_the_default_groups_timeout():
+    """Every group a mesh creates gets the default group's timeout: with gloo's 30-minute default a rank waiting
+    in a sub-group (tensor parallel) for a failed peer waits that long (tests/test_faults_exceptions.py, slow,
+    waits it out on 4 ranks). Fresh processes of its own: initialising the default group a second time in one
+    process, on the same store address, timed out connecting under load."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=15))
     try:
         mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))

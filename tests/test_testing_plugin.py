@@ -125,6 +125,7 @@ def test_standalone_env_keeps_only_standalone_tests(pytester):
     result.assert_outcomes(passed=1, deselected=1)
 
 
+@pytest.mark.slow
 def test_failing_rank_shows_its_traceback(tmp_path):
     with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed.*RuntimeError: boom on rank 1"):
         run_parity(make_exploding_gpt, world_size=2, max_steps=2, out_dir=str(tmp_path))

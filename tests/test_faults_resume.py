@@ -115,6 +115,7 @@ class _SGDGPT(AdamGPT):
         return _sgd(self.model, self.lr)
 
 
+@pytest.mark.slow  # to one process: tests/test_checkpoint.py::test_reshard_matrix (DP=2 -> DP=1) by default
 def test_ours_two_to_one(checkpoints):
     run_distributed(_resume_adamw, 1, checkpoints("ours"))
 

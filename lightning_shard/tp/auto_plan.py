@@ -425,36 +425,50 @@ def _shared_head_tables(modules: dict[str, nn.Module], attns: dict) -> list[str]
     ]
 
 
-def _per_head_parameter_outside(
-    a: _Attn, modules: dict[str, nn.Module], attns: dict, shared_head_tables: list[str]
-) -> str | None:
-    """A parameter outside the attentions with a dim of the head count, in the attention's own layer or outside
-    the layers (BEiT's ``relative_position_bias.relative_position_bias_table`` (distances, heads) in the layer,
-    or ``shared_position_bias`` in the encoder), whose lookup the model adds to the attention scores of every
-    head. With the heads split, each rank's scores met the bias of all heads: a shape error, or a silent
-    broadcast with one head per rank. A (positions, heads) parameter whose name says position or bias counts;
-    norms, Linears, convolutions and the tables ``_shared_head_tables`` splits do not. Returns the parameter's
-    name and shape, or None.
+def _position_bias_tables(modules: dict[str, nn.Module], attns: dict, shared_head_tables: list[str]) -> dict:
+    """The candidates for ``_per_head_parameter_outside``: ``{parameter name: (shape, ModuleList elements
+    holding it)}`` for each 2-D parameter named like a position bias (``_is_position_bias_table``) outside the
+    attentions, norms, Linears, convolutions (and their parametrizations) and ``shared_head_tables``."""
+    skipped = set(attns) | set(shared_head_tables)
+    skipped |= {f for f, m in modules.items() if _is_norm(m) or is_linear(m) or isinstance(m, nn.modules.conv._ConvNd)}
+    layers = {_join(f, n) for f, m in modules.items() if isinstance(m, nn.ModuleList) for n in m._modules}
+    tables = {}
+    for f, m in modules.items():
+        ancestors = _ancestors(f)
+        if skipped.intersection(ancestors):
+            continue
+        for n, p in m.named_parameters(recurse=False):
+            if _is_position_bias_table(_join(f, n), p):
+                tables[_join(f, n)] = (tuple(p.shape), layers.intersection(ancestors))
+    return tables
+
+
+def _ancestors(fqn: str) -> list[str]:
+    """``fqn`` and the names of the modules holding it: ``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``."""
+    parts = fqn.split(".") if fqn else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _per_head_parameter_outside(a: _Attn, modules: dict[str, nn.Module], tables: dict) -> str | None:
+    """A (positions, heads) parameter outside the attentions, in the attention's own layer or outside the layers
+    (BEiT's ``relative_position_bias.relative_position_bias_table`` (distances, heads) in the layer, or
+    ``shared_position_bias`` in the encoder), whose lookup the model adds to the attention scores of every head.
+    With the heads split, each rank's scores met the bias of all heads: a shape error, or a silent broadcast with
+    one head per rank. ``tables``: ``_position_bias_tables``. Returns the parameter's name and shape, or None.
     """
     if not a.sharded or len(a.q) < 2 or a.heads in {linear_dims(modules[a.q[0]])[1]}:
         return None
-    layers = [f"{f}.{n}" if f else n for f, m in modules.items() if isinstance(m, nn.ModuleList) for n in m._modules]
-    other_layers = [x for x in layers if not a.fqn.startswith(x + ".") and a.fqn != x]
-    # Skipped with their submodules (a weight_norm'd conv's parametrization holds its weight).
-    skipped = [*attns, *other_layers, *shared_head_tables]
-    skipped += [f for f, m in modules.items() if _is_norm(m) or is_linear(m) or isinstance(m, nn.modules.conv._ConvNd)]
-    for f, m in modules.items():
-        if any(f == x or f.startswith(x + ".") for x in skipped):
-            continue
-        for n, p in m.named_parameters(recurse=False):
-            if _is_position_bias_table(_join(f, n), p, a.heads):
-                return f"{_join(f, n)} {tuple(p.shape)}"
+    mine = set(_ancestors(a.fqn))
+    for name, (shape, layers) in tables.items():
+        if shape[-1] == a.heads and layers <= mine:  # not in another layer
+            return f"{name} {shape}"
     return None
 
 
-def _is_position_bias_table(name: str, p: nn.Parameter, heads: int) -> bool:
-    """(positions, heads), named as a position bias; a router's weights and biases (experts wide) are not."""
-    shaped = p.ndim == 2 and p.shape[0] > 1 and p.shape[-1] == heads
+def _is_position_bias_table(name: str, p: nn.Parameter) -> bool:
+    """2-D, (positions, heads) and named as a position bias; a router's weights and biases (experts wide) are
+    not one."""
+    shaped = p.ndim == 2 and p.shape[0] > 1
     return shaped and bool(_POSITION_BIAS.search(name)) and not _ROUTING.search(name)
 
 
@@ -658,8 +672,9 @@ def auto_tp_plan(
         if a is not None:
             attns[fqn] = a
     shared_head_tables = _shared_head_tables(modules, attns)
+    bias_tables = _position_bias_tables(modules, attns, shared_head_tables)
     for a in attns.values():
-        table = _per_head_parameter_outside(a, modules, attns, shared_head_tables)
+        table = _per_head_parameter_outside(a, modules, bias_tables)
         if table is not None:
             a.sharded, a.divide, a.head_tables, a.head_projections, a.head_norms = False, [], [], [], []
             a.reason = (

@@ -29,13 +29,11 @@ __all__ = ["RecordingHandle", "SimStream", "SimEvent", "SimDeviceModule", "STAND
 STAND_IN_DEVICE = "lazy"
 
 
-class SimStream:
-    """A named stream; ``with handle.stream(s)`` makes it current. Its ordering methods (torch's
-    ``torch.cuda.Stream`` API, which torch's FSDP2 calls under ``--reference torch``) order nothing: fake
-    tensors run no kernels."""
+class NullStream:
+    """A stream of the stand-in device's module: orders nothing (fake tensors run no kernels)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, *args, **kwargs) -> None:
+        pass
 
     def wait_stream(self, stream) -> None:
         pass
@@ -48,6 +46,15 @@ class SimStream:
 
     def synchronize(self) -> None:
         pass
+
+
+class SimStream(NullStream):
+    """A named stream; ``with handle.stream(s)`` makes it current. Its ordering methods (torch's
+    ``torch.cuda.Stream`` API, which torch's FSDP2 calls under ``--reference torch``) order nothing: fake
+    tensors run no kernels."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def __repr__(self) -> str:
         return f"SimStream({self.name})"
@@ -166,25 +173,6 @@ class RecordingHandle(DeviceHandle):
     def count(self, name: str) -> int:
         """How many calls named ``name`` were recorded."""
         return sum(c[0] == name for c in self.calls)
-
-
-class NullStream:
-    """A stream of the stand-in device's module: orders nothing (fake tensors run no kernels)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event if event is not None else NullEvent()
-
-    def synchronize(self) -> None:
-        pass
 
 
 class NullEvent:

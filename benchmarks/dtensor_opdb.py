@@ -338,7 +338,9 @@ def _store_sync(rank: int, world: int):
     return sync
 
 
-def _worker(rank: int, world: int, port: int, argv: dict) -> None:
+def _worker(rank: int, world: int, port: int, argv: dict, run_one) -> None:
+    """One rank: ``run_one(opinfo, library name, library, argv, sync)`` -> (status, detail) for every OpInfo and
+    library not yet in ``argv["out"]``, each line written by rank 0 as it ends."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
@@ -360,7 +362,7 @@ def _worker(rank: int, world: int, port: int, argv: dict) -> None:
                     log.write(json.dumps(["__start__", op_key(opinfo), name, ""]) + "\n")
                     log.flush()
                 try:
-                    status, detail = run_op(opinfo, name, libs[name], argv["samples"], sync, argv["placements"])
+                    status, detail = run_one(opinfo, name, libs[name], argv, sync)
                     desync = False
                 except Desync as e:
                     status, detail, desync = "error", f"{e}"[:300], True
@@ -406,9 +408,9 @@ def _results(path: str) -> dict:
     return out
 
 
-def table(results: dict, libs) -> str:
+def table(results: dict, libs, statuses=STATUSES) -> str:
     lines = ["| | " + " | ".join(libs) + " |", "| --- |" + " --- |" * len(libs)]
-    for st in STATUSES:
+    for st in statuses:
         counts = [sum(1 for r in results.values() if r[lib][0] == st) for lib in libs]
         lines.append(f"| {st} | " + " | ".join(map(str, counts)) + " |")
     lines.append("| total | " + " | ".join(str(len(results)) for _ in libs) + " |")
@@ -467,15 +469,26 @@ def main() -> None:
         "verbose": a.verbose or bool(a.ops),
         "placements": a.placements,
     }
-    while ("__finished__", "") not in _done(a.out):
+    run_until_finished(argv, _run_forward)
+    report(_results(a.out), a.libs)
+
+
+def _run_forward(opinfo, name: str, lib, argv: dict, sync) -> tuple[str, str]:
+    return run_op(opinfo, name, lib, argv["samples"], sync, argv["placements"])
+
+
+def run_until_finished(argv: dict, run_one) -> None:
+    """Run ``_worker`` on 2 fresh ranks until every OpInfo has a line in ``argv["out"]``: ranks that died (gloo
+    aborts on some collective mismatches) or left after a desync are replaced, and the unit they were running
+    counts as an error."""
+    while ("__finished__", "") not in _done(argv["out"]):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         try:
-            mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
+            mp.spawn(_worker, args=(2, port, argv, run_one), nprocs=2, join=True)
         except mp.ProcessExitedException:
-            _record_crash(a.out)
-    report(_results(a.out), a.libs)
+            _record_crash(argv["out"])
 
 
 if __name__ == "__main__":

@@ -34,18 +34,10 @@ The table printed at the end is the one in docs/dtensor.md ("Gradients on torch'
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import socket
 import sys
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dtensor_opdb, the forward harness
@@ -259,60 +251,13 @@ def run_op(opinfo, name: str, lib, n_samples: int, sync=None) -> tuple[str, str]
     return status, detail
 
 
-def _worker(rank: int, world: int, port: int, argv: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
-    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
-
-    import lightning_shard
-    from lightning_shard.tensor import fallback_policy
-
-    libs = fwd._libs(lightning_shard.init_device_mesh("cpu", (world,)), torch_mesh("cpu", (world,)))
-    sync = fwd._store_sync(rank, world)
-    done = fwd._done(argv["out"])
-    warnings.simplefilter("ignore")
-    with fallback_policy("warn"), open(argv["out"], "a") as log:
-        for opinfo in fwd.select_ops(argv["ops"]):
-            for name in argv["libs"]:
-                key = fwd.op_key(opinfo)
-                if (key, name) in done:
-                    continue
-                if rank == 0:  # lets the parent name the unit if a rank dies
-                    log.write(json.dumps(["__start__", key, name, ""]) + "\n")
-                    log.flush()
-                try:
-                    status, detail = run_op(opinfo, name, libs[name], argv["samples"], sync)
-                    desync = False
-                except fwd.Desync as e:
-                    status, detail, desync = "error", f"{e}"[:300], True
-                except Exception:  # noqa: BLE001 -- the harness itself must keep going
-                    status, detail, desync = "error", traceback.format_exc(limit=1)[-300:], False
-                if rank == 0:
-                    log.write(json.dumps([key, name, status, detail]) + "\n")
-                    log.flush()
-                    if argv["verbose"]:
-                        print(key, name, status, detail, flush=True)
-                if desync:
-                    os._exit(0)  # the process group may hold stray messages: the parent starts fresh ranks
-    if rank == 0:
-        with open(argv["out"], "a") as log:
-            log.write(json.dumps(["__finished__", "", "", ""]) + "\n")
-    dist.destroy_process_group()
-
-
-def table(results: dict, libs) -> str:
-    lines = ["| | " + " | ".join(libs) + " |", "| --- |" + " --- |" * len(libs)]
-    for st in STATUSES:
-        counts = [sum(1 for r in results.values() if r[lib][0] == st) for lib in libs]
-        lines.append(f"| {st} | " + " | ".join(map(str, counts)) + " |")
-    lines.append("| total | " + " | ".join(str(len(results)) for _ in libs) + " |")
-    return "\n".join(lines)
+def _run_gradients(opinfo, name: str, lib, argv: dict, sync) -> tuple[str, str]:
+    return run_op(opinfo, name, lib, argv["samples"], sync)
 
 
 def report(results: dict, libs) -> None:
     """The table, then every op that is not clean with its detail (the fallback ones with the ops that fell back)."""
-    print(table(results, libs))
+    print(fwd.table(results, libs, STATUSES))
     for lib in libs:
         for st in ("fallback", "zeros", "wrong", "error"):
             names = sorted(k for k, r in results.items() if r[lib][0] == st)
@@ -340,14 +285,7 @@ def main() -> None:
     if a.part:
         a.ops = (a.ops or []) + fwd.part_names(a.part)
     argv = {"ops": a.ops, "libs": a.libs, "samples": a.samples, "out": a.out, "verbose": a.verbose or bool(a.ops)}
-    while ("__finished__", "") not in fwd._done(a.out):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            mp.spawn(_worker, args=(2, port, argv), nprocs=2, join=True)
-        except mp.ProcessExitedException:
-            fwd._record_crash(a.out)
+    fwd.run_until_finished(argv, _run_gradients)
     report(fwd._results(a.out), a.libs)
 
 

@@ -8,15 +8,10 @@ copy, frexp). ``__getitem__`` is left out: indexing with a Python list makes tor
 below the DTensor, which is refused (docs/dtensor.md lists it). The full database runs under ``-m slow``.
 """
 
-import importlib.util
-import warnings
-from pathlib import Path
-
 import pytest
-import torch
 
-from lightning_shard import init_device_mesh
 from tests.harness import distributed
+from tests.opdb import harness, run_ours
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
@@ -32,28 +27,9 @@ SUBSET = [
 ]  # fmt: skip
 
 
-def _harness():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dtensor_opdb.py"
-    spec = importlib.util.spec_from_file_location("dtensor_opdb", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(names):
-    h = _harness()
-    mesh = init_device_mesh("cpu", (2,))
-    lib = h._libs(mesh, mesh.to_torch())["ours"]
-    results = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for opinfo in h.select_ops(names):
-            results[h.op_key(opinfo)] = h.run_op(opinfo, "ours", lib, 3)
-    # torch's op database imports torch.testing._internal.common_utils, which calls
-    # torch.backends.disable_global_flags(); this worker is reused by later tests, where Lightning's
-    # Trainer(deterministic=True) then failed setting torch.backends.cudnn.benchmark.
-    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True  # its module global
-    return results
+    fwd = harness("dtensor_opdb")
+    return run_ours(names, lambda opinfo, lib: {fwd.op_key(opinfo): fwd.run_op(opinfo, "ours", lib, 3)})
 
 
 @distributed(world_size=2, timeout=600)

@@ -16,10 +16,6 @@ Two direct tests pin the safety of the first fix: a plain tensor that differs be
 still raises on every rank, and one in forward code still raises. The full database runs under ``-m slow``.
 """
 
-import importlib.util
-import warnings
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +23,7 @@ import torch.distributed as dist
 from lightning_shard import init_device_mesh
 from lightning_shard.tensor import Replicate, Shard, distribute_tensor, fallback_counts, reset_fallback_counts
 from tests.harness import distributed
+from tests.opdb import harness, run_ours
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
@@ -41,29 +38,14 @@ RULE_BACKWARDS = [
 ]  # fmt: skip
 
 
-def _harness():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dtensor_opdb_grad.py"
-    spec = importlib.util.spec_from_file_location("dtensor_opdb_grad", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(names, samples: int = 3, few: tuple = ()):
     """(status, detail) per op key; the ops named in ``few`` run their first sample only."""
-    h = _harness()
-    mesh = init_device_mesh("cpu", (2,))
-    lib = h.fwd._libs(mesh, mesh.to_torch())["ours"]
-    results = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for opinfo in h.fwd.select_ops(names):
-            n = 1 if opinfo.name in few else samples
-            results[h.fwd.op_key(opinfo)] = h.run_op(opinfo, "ours", lib, n)
-    # torch.testing._internal.common_utils calls torch.backends.disable_global_flags(); this worker is reused
-    # by later tests (see tests/test_dtensor_opdb.py)
-    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-    return results
+    grad = harness("dtensor_opdb_grad")
+
+    def one(opinfo, lib):
+        return {grad.fwd.op_key(opinfo): grad.run_op(opinfo, "ours", lib, 1 if opinfo.name in few else samples)}
+
+    return run_ours(names, one)
 
 
 @distributed(world_size=2, timeout=600)

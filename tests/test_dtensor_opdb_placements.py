@@ -11,16 +11,13 @@ norms, indexing, cat, where) and each op a mode found wrong or raising; the whol
 under ``-m slow``.
 """
 
-import importlib.util
-import warnings
-from pathlib import Path
-
 import pytest
 import torch
 
 from lightning_shard import init_device_mesh
 from lightning_shard.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from tests.harness import distributed
+from tests.opdb import harness, run_ours
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
@@ -34,30 +31,18 @@ SUBSET = [
 FOUND = {"unbind_copy": "shard1", "int": "partial", "count_nonzero": "partial", "frexp": "partial"}
 
 
-def _harness():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dtensor_opdb.py"
-    spec = importlib.util.spec_from_file_location("dtensor_opdb", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(names, modes_of, samples: int = 3):
     """{(op key, mode): (status, detail)} of ``names`` (None: all of op_db), each in ``modes_of(name)``, on the
     first ``samples`` samples."""
-    h = _harness()
-    mesh = init_device_mesh("cpu", (2,))
-    lib = h._libs(mesh, mesh.to_torch())["ours"]
-    results = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for opinfo in h.select_ops(names):
-            for mode in modes_of(opinfo.name):
-                results[h.op_key(opinfo), mode] = h.run_op(opinfo, "ours", lib, samples, placements=mode)
-    # torch's op database disables torch.backends' global flags; later tests in this reused worker set them
-    # (see tests/test_dtensor_opdb.py).
-    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-    return results
+    fwd = harness("dtensor_opdb")
+
+    def one(opinfo, lib):
+        return {
+            (fwd.op_key(opinfo), mode): fwd.run_op(opinfo, "ours", lib, samples, placements=mode)
+            for mode in modes_of(opinfo.name)
+        }
+
+    return run_ours(names, one)
 
 
 @distributed(world_size=2)
@@ -79,7 +64,7 @@ def test_unbind_copy_along_a_sharded_dim():
 def test_partial_arguments_sum_to_the_sample():
     """The harness's Partial arguments are pending sums of ``x`` whose addends differ from ``x / 2``, so a rule
     that applies a non-linear op to each addend cannot match the plain op by chance."""
-    h = _harness()
+    h = harness("dtensor_opdb")
     mesh = init_device_mesh("cpu", (2,))
     lib = h._libs(mesh, mesh.to_torch())["ours"]
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))

@@ -86,13 +86,17 @@ def test_partial_arguments_sum_to_the_sample():
     assert not torch.allclose((addends[0].abs() + addends[1].abs()) / 2, x.abs())
 
 
+def _pending_sum(x: torch.Tensor, mesh) -> DTensor:
+    """``x`` as a ``Partial("sum")`` of unequal terms on 2 ranks: ``2x`` and ``-x``."""
+    return DTensor.from_local(2 * x if torch.distributed.get_rank() == 0 else -x, mesh, [Partial("sum")])
+
+
 @distributed(world_size=2)
 def test_partial_sum_cast_to_integer_and_counted():
     """Truncating or counting each term of a pending sum is not truncating or counting the sum: reduce first."""
     mesh = init_device_mesh("cpu", (2,))
     x = torch.tensor([[0.7, -1.2, 0.0], [2.5, 0.3, -0.6]])
-    rank = torch.distributed.get_rank()
-    px = DTensor.from_local(2 * x if rank == 0 else -x, mesh, [Partial("sum")])
+    px = _pending_sum(x, mesh)
     for dtype in (torch.int64, torch.int8, torch.bool):
         torch.testing.assert_close(px.to(dtype).full_tensor(), x.to(dtype), rtol=0, atol=0)
     assert px.to(torch.float64).placements == (Partial("sum"),)  # a float cast stays a pending sum
@@ -110,8 +114,7 @@ def test_frexp_of_a_partial_sum():
     """frexp has two outputs: off the same-layout fast path (a Partial input), the rule must place both."""
     mesh = init_device_mesh("cpu", (2,))
     x = torch.tensor([[0.7, -1.2, 3.0], [0.0, 5.5, -0.25]])
-    rank = torch.distributed.get_rank()
-    px = DTensor.from_local(2 * x if rank == 0 else -x, mesh, [Partial("sum")])
+    px = _pending_sum(x, mesh)
     mantissa, exponent = torch.frexp(px)
     want = torch.frexp(x)
     torch.testing.assert_close(mantissa.full_tensor(), want.mantissa, rtol=0, atol=0)

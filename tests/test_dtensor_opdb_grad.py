@@ -3,14 +3,14 @@
 Uses the harness of ``benchmarks/dtensor_opdb_grad.py`` (float32 samples of ops with autograd, leaves
 ``Replicate`` and ``Shard(0)``, a fixed upstream gradient, every input's gradient gathered and compared with the
 plain op's). The quick test covers the ops real models train through (linear/matmul, embedding, norms,
-softmax, losses, views, cat/stack, gather/index_select, where) and the ones whose backward used to fail:
+softmax, losses, views, cat/stack, gather/index_select, where) and the ones that need particular handling:
 
 - backwards that build a plain tensor from a DTensor's global sizes (``at::zeros(self.sizes())``) and mix it
-  with DTensors (``index_put``, ``prod``, ``select_scatter``, ``cummax`` ...) raised "got a plain torch.Tensor
-  mixed with DTensor arguments"; ``cummax`` of a 0-dim input crashed in the scatter rule;
+  with DTensors (``index_put``, ``prod``, ``select_scatter``, ``cummax`` ...), taken as Replicate once it is
+  the same on every rank; ``cummax`` of a 0-dim input (the scatter rule hands it to the fallback);
 - activation backwards torch does not tag as pointwise (``leaky_relu``, ``softplus``, ``hardswish``),
-  ``glu``'s, the pooling backwards (``avg_pool2d``, ``adaptive_avg_pool2d``) and group norm's went through the
-  replicate fallback.
+  ``glu``'s, the pooling backwards (``avg_pool2d``, ``adaptive_avg_pool2d``) and group norm's, which have rules
+  (no fallback).
 
 Two direct tests pin the safety of the first fix: a plain tensor that differs between ranks inside a backward
 still raises on every rank, and one in forward code still raises. The full database runs under ``-m slow``.

@@ -194,7 +194,7 @@ def _register_all() -> None:
         aten._conj.default,  # a view setting the conjugate bit (hfft, ihfft)
         aten.fill.Scalar,
         aten.fill.Tensor,
-        # activation backwards (grad_output, self or result): elementwise, untagged; they used the fallback
+        # activation backwards (grad_output, self or result): elementwise, but not tagged pointwise by torch
         aten.elu_backward.default,
         aten.hardtanh_backward.default,
         aten.leaky_relu_backward.default,

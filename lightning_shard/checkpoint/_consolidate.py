@@ -62,9 +62,8 @@ class _Reader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        reader = SafeFileSystemReader(path)
-        self.marker = reader.marker
-        self.metadata: Metadata = reader.read_metadata()
+        self.reader = SafeFileSystemReader(path)  # one reader for every key: it parses the metadata once
+        self.metadata: Metadata = self.reader.read_metadata()
         check_files(path, self.metadata)  # a missing or truncated file is named before anything is written
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -87,7 +86,7 @@ class _Reader:
         try:
             dcp.load(
                 state,
-                storage_reader=SafeFileSystemReader(self.path, marker=self.marker),
+                storage_reader=self.reader,
                 planner=SafeLoadPlanner(allow_partial_load=True),
                 no_dist=True,
             )
@@ -302,7 +301,7 @@ def consolidate(
         if safetensors:
             _write_safetensors(reader, tmp)
         else:
-            meta = _lightning_meta(sharded_dir, reader.marker)
+            meta = _lightning_meta(sharded_dir, reader.reader.marker)
             _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp, meta)
         os.replace(tmp, out_file)
     finally:

@@ -139,7 +139,9 @@ class SafeFileSystemReader(FileSystemReader):
 
     ``read_metadata`` uses the restricted unpickler; ``read_data`` names the file and entry of a truncated or
     unreadable entry and, for checkpoints whose marker records checksums, verifies each entry's digest before
-    handing the value on. Example: ``SafeFileSystemReader(path)``.
+    handing the value on. The metadata is parsed once per reader: a reader used for many ``dcp.load`` calls
+    (consolidation loads one key at a time) would otherwise unpickle the whole index once per key. Example:
+    ``SafeFileSystemReader(path)``.
     """
 
     def __init__(self, path: str | os.PathLike, *args: Any, marker: Any = False, **kwargs: Any) -> None:
@@ -149,9 +151,19 @@ class SafeFileSystemReader(FileSystemReader):
         sums = (self.marker or {}).get("checksums") or {}
         self.algorithm: str | None = sums.get("algorithm")
         self.digests: dict[str, str] = sums.get("entries") or {}
+        self._metadata: dict[tuple[str, Any], Metadata] = {}  # per (path, ``rank`` argument): what was parsed
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        rank = kwargs.get("rank")
+        key = (os.fspath(self.path), rank)  # ``reset(checkpoint_id)`` may point the reader at another directory
+        if key not in self._metadata:
+            self._metadata[key] = self._parse_metadata(rank)
+        metadata = self._metadata[key]
+        metadata.storage_meta.load_id = self.load_id  # a new id per dcp.load (``reset``), as torch's reader sets it
+        return metadata
+
+    def _parse_metadata(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
         verify_file(os.fspath(self.path), os.path.basename(os.fspath(path)), data, self.marker)
@@ -163,7 +175,6 @@ class SafeFileSystemReader(FileSystemReader):
             raise CheckpointCorruptError(f"{path}: DCP's metadata cannot be read ({type(e).__name__}: {e})") from e
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _verify(self, req: ReadItem, value: torch.Tensor | bytes, where: str) -> None:

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.checkpoint:
         out = Path(args.out_dir)
         sharded, full = out / "final.ckpt", out / "final_consolidated.pt"
-        trainer.save_checkpoint(sharded)
+        trainer.save_checkpoint(sharded, weights_only=False)  # with the optimizer state, as a resume needs
         trainer.strategy.barrier()
         if trainer.is_global_zero:
             from lightning_shard.checkpoint import consolidate

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ckpt = out / f"step={trainer.global_step}.ckpt"
     if not ckpt.exists():
-        trainer.save_checkpoint(ckpt)
+        trainer.save_checkpoint(ckpt, weights_only=False)  # with the optimizer state, to resume from
     result["checkpoint"] = str(ckpt)
     rank_zero_info(f"checkpoint: {ckpt} (resume with --resume {ckpt} --max-steps {2 * trainer.global_step})")
     if args.sample:

@@ -113,8 +113,29 @@ def host_device_meshes() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def private_sharding_propagation() -> Iterator[None]:
+    """Run torch's DTensor output-metadata propagation in a fake mode of its own inside the block, as on a GPU.
+
+    Why: torch's ``ShardingPropagator`` derives an op's output shape by running it on tensors of the *global*
+    shapes in ``detect_fake_mode() or FakeTensorMode()``. On a GPU no fake mode is active, so those tensors are
+    a private fake mode's and hold no memory. In the simulator ``detect_fake_mode`` finds the simulation's fake
+    mode, whose memory tracker would count them as device memory: on each propagation cache miss, global-shape
+    tensors a GPU never allocates (under loss parallelism the cross-entropy's forward and backward each made the
+    full fp32 logits, 63 GiB for Llama 3.1 70B at 16 x 8192 tokens, where the rank holds an eighth), and peaks
+    that depended on which simulations had run before in the process."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
 def _torch_context(device_type: str, device_count: int) -> Iterator[None]:
-    with stand_in_device_module(device_type, device_count), host_device_meshes():
+    with stand_in_device_module(device_type, device_count), host_device_meshes(), private_sharding_propagation():
         yield
 
 

@@ -18,8 +18,8 @@ column-parallel from a sequence-sharded input (``--sequence-parallel``; without 
 sequence sharding, like the engine's default). With ``--loss-parallel`` the head's output stays a ``Shard(-1)``
 DTensor (``use_local_output=False``) and the cross-entropy and its backward run inside torch's
 ``loss_parallel()``, as torchtitan's; without it the head's output is replicated, as in the engine's run, so both
-compute the same loss on the same logits. torchtitan's attention reshapes with ``-1``
-heads; the Llama of ``tests/tp_models.py`` reads ``n_heads``/``n_kv_heads``, so those are divided by T.
+compute the same loss on the same logits. torchtitan's attention reshapes with ``-1`` heads; the Llama of
+``tests/tp_models.py`` reads ``n_heads``/``n_kv_heads``, so those are divided by T.
 
 Example::
 
@@ -120,9 +120,9 @@ def private_sharding_propagation() -> Iterator[None]:
     shapes in ``detect_fake_mode() or FakeTensorMode()``. On a GPU no fake mode is active, so those tensors are
     a private fake mode's and hold no memory. In the simulator ``detect_fake_mode`` finds the simulation's fake
     mode, whose memory tracker would count them as device memory: on each propagation cache miss, global-shape
-    tensors a GPU never allocates (under loss parallelism the cross-entropy's forward and backward each made the
+    tensors a GPU never allocates (under loss parallelism the cross-entropy's forward and backward each make the
     full fp32 logits, 63 GiB for Llama 3.1 70B at 16 x 8192 tokens, where the rank holds an eighth), and peaks
-    that depended on which simulations had run before in the process."""
+    that would depend on which simulations ran before in the process."""
     from torch.distributed.tensor import _sharding_prop
 
     original = _sharding_prop.detect_fake_mode

@@ -97,3 +97,17 @@ def test_loss_parallel_drops_scale_with_the_tensor_parallel_size():
     forward, backward = _drops(tp=4)  # at T = 2 both drops are N; at T = 4 they differ
     assert forward == pytest.approx(2 * N - 2 * N // 4, abs=SMALL)
     assert backward == pytest.approx(3 * N - 4 * N // 4, abs=SMALL)
+
+
+@pytest.mark.slow
+def test_the_published_70b_setting_in_small_peaks_as_torch():
+    """The 70B run's options (bf16-mixed, sequence parallel, full checkpointing, two steps) on the tiny Llama."""
+    from lightning_shard.simulate.reference import TORCH_ENGINE
+
+    request = SimulationRequest(
+        devices=4, tensor_parallel_size=2, precision="bf16-mixed", batch=B, seq_len=S, steps=2, loss="cross-entropy",
+        loss_parallel=True, sequence_parallel=True, activation_checkpointing="full", checkpoint=False,
+    )  # fmt: skip
+    ours, torch = simulate_training(tiny_llama, request), simulate_training(tiny_llama, request, engine=TORCH_ENGINE)
+    for phase in ("forward", "backward", "optimizer"):
+        assert torch["peak_by_phase"][phase] == pytest.approx(ours["peak_by_phase"][phase], rel=0.01), phase

@@ -5,7 +5,7 @@ published configuration with ``lightning_shard.planner`` and prints planner / pu
 within 15%, tokens/s within 25%. Run (about a minute on one CPU core):
 
     python benchmarks/planner_published.py
-    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (about 9 minutes)
+    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (8B 4 min, 70B 14-23 min)
 
 ``--simulate`` also runs each run with a published peak (``--only TEXT``: the runs whose name contains TEXT)
 through ``lightning_shard.planner.reserved`` on fake tensors as rank 0, with this engine and with torch's FSDP2

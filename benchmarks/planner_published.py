@@ -5,13 +5,14 @@ published configuration with ``lightning_shard.planner`` and prints planner / pu
 within 15%, tokens/s within 25%. Run (about a minute on one CPU core):
 
     python benchmarks/planner_published.py
-    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (about 9 minutes)
+    python benchmarks/planner_published.py --simulate   # + reserved memory, simulated (8B 4 min, 70B 14-23 min)
 
-``--simulate`` also runs each run the simulator can run (``lightning_shard.planner.reserved``: no loss
-parallelism) on fake tensors as rank 0, with this engine and with torch's FSDP2 (``--reference torch``), and
-replays the CUDA caching allocator on each (``lightning_shard.simulate.allocator``): the published figures are
-peak *reserved* bytes. The simulated model is ``benchmarks.sim_models.llama3_8b`` (the same shapes as the
-Hugging Face config, the Llama of ``tests/tp_models.py``), with cross-entropy on fp32 logits as torchtitan.
+``--simulate`` also runs each run with a published peak (``--only TEXT``: the runs whose name contains TEXT)
+through ``lightning_shard.planner.reserved`` on fake tensors as rank 0, with this engine and with torch's FSDP2
+(``--reference torch``), and replays the CUDA caching allocator on each (``lightning_shard.simulate.allocator``):
+the published figures are peak *reserved* bytes. The simulated models are ``benchmarks.sim_models.llama3_8b`` and
+``llama3_70b`` (the shapes of the Hugging Face configs, the Llama of ``tests/tp_models.py``), with cross-entropy
+on fp32 logits as torchtitan (the 70B run with sequence and loss parallelism, as published).
 
 Sources:
 * torchtitan, docs/performance.md (commit 820504e20^ of pytorch/torchtitan, Dec 2024; also arXiv 2410.06511):
@@ -108,16 +109,17 @@ RUNS = [
 ]  # fmt: skip
 
 
-SIM_FACTORIES = {"llama3.1-8b": "llama3_8b"}  # benchmarks.sim_models factories of the same shapes
+SIM_FACTORIES = {"llama3.1-8b": "llama3_8b", "llama3.1-70b": "llama3_70b"}  # benchmarks.sim_models, same shapes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--simulate", action="store_true", help="also simulate reserved memory (minutes)")
+    parser.add_argument("--only", default="", help="simulate only the runs whose name contains this text")
     args = parser.parse_args()
     estimates = planner_table()
     if args.simulate:
-        reserved_table(estimates)
+        reserved_table(estimates, args.only)
 
 
 def planner_table() -> dict:
@@ -150,8 +152,9 @@ def planner_table() -> dict:
     return estimates
 
 
-def reserved_table(estimates: dict) -> None:
-    """Planner allocated vs simulated allocated and reserved (both engines) vs the published reserved peak."""
+def reserved_table(estimates: dict, only: str = "") -> None:
+    """Planner allocated vs simulated allocated and reserved (both engines) vs the published reserved peak, for
+    the runs whose name contains ``only``."""
     from benchmarks import sim_models
     from lightning_shard.planner.reserved import simulation_request
     from lightning_shard.simulate.reference import TORCH_ENGINE
@@ -162,17 +165,18 @@ def reserved_table(estimates: dict) -> None:
           "| published reserved | ratio ours / published | torch / published |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for run in RUNS:
-        if run.peak_gib is None:
+        if run.peak_gib is None or only not in run.name:
             continue
         est = estimates[run.name]
-        if run.factory not in SIM_FACTORIES or run.lp:
-            print(f"| {run.name} | {est.device_total / GiB:.1f} GiB | not simulated: "
-                  f"{'loss parallelism' if run.lp else 'no simulator factory'} | | | {run.peak_gib} | | |")  # fmt: skip
+        if run.factory not in SIM_FACTORIES:
+            print(f"| {run.name} | {est.device_total / GiB:.1f} GiB | not simulated: no simulator factory "
+                  f"| | | {run.peak_gib} | | |")  # fmt: skip
             continue
         factory = getattr(sim_models, SIM_FACTORIES[run.factory])
         request = simulation_request(est, precision="bf16-mixed", batch=run.batch, seq_len=run.seq_len)
         t0 = time.time()
         ours = simulate_training(factory, request)
+        t_ours = time.time() - t0
         theirs = simulate_training(factory, request, engine=TORCH_ENGINE)
         r_ours, r_torch = ours["peak_reserved_bytes"] / GiB, theirs["peak_reserved_bytes"] / GiB
         print(
@@ -180,7 +184,8 @@ def reserved_table(estimates: dict) -> None:
             f"(torch {theirs['peak_device_bytes'] / GiB:.1f}) | {r_ours:.1f} GiB | {r_torch:.1f} GiB | "
             f"{run.peak_gib} GiB | **{r_ours / run.peak_gib:.2f}** | **{r_torch / run.peak_gib:.2f}** |"
         )
-        print(f"<!-- {run.name}: simulated in {time.time() - t0:.0f} s; reserved by phase ours "
+        print(f"<!-- {run.name}: simulated in {time.time() - t0:.0f} s (ours {t_ours:.0f} s); allocated by phase "
+              f"ours {ours['peak_by_phase']}, torch {theirs['peak_by_phase']}; reserved by phase ours "
               f"{ours['reserved_by_phase']}, torch {theirs['reserved_by_phase']} -->")  # fmt: skip
 
 

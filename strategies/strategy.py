@@ -63,6 +63,7 @@ from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
+from lightning_shard.tp.loss import replicated_loss
 from numba_kernels import warm_kernels
 from strategies import auto, batch_counts, collectives, finetuning, loading, nodes, parallelize, requeue, unsupported
 from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
@@ -955,7 +956,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if isinstance(tensor, DTensor):  # a loss under loss_parallel: its value on this rank, whole (a partial sum
-            tensor = _replicated_local(tensor.detach())  # with label smoothing), as a plain tensor for c10d
+            tensor = replicated_loss(tensor.detach())  # with label smoothing), as a plain tensor for c10d
         if group is not None:  # only None is Lightning's default here (self.log's sync_dist_group)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return collectives.reduce_over_data_parallel(tensor, self._device_mesh, None, reduce_op)
@@ -1091,21 +1092,10 @@ def _local_loss(out):
     from lightning_shard.tensor import DTensor
 
     if isinstance(out, DTensor):
-        return _replicated_local(out)
+        return replicated_loss(out)
     if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
-        return {**out, "loss": _replicated_local(out["loss"])}
+        return {**out, "loss": replicated_loss(out["loss"])}
     return out
-
-
-def _replicated_local(loss):
-    """The loss's whole value on every rank. A loss with a partial placement (cross-entropy with label smoothing:
-    its smoothing term sums the log-probabilities over the sharded vocabulary) is all-reduced first; its local
-    value alone was one rank's part, and each rank trained (and logged) on a different, wrong loss."""
-    from lightning_shard.tensor import Replicate
-
-    if any(not p.is_replicate() for p in loss.placements):
-        loss = loss.redistribute(loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
-    return loss.to_local()
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -237,7 +237,5 @@ def test_the_planner_simulates_what_the_simulator_can_run_and_says_what_it_canno
     assert (request.devices, request.sharding_strategy, request.activation_checkpointing) == (
         4, "SHARD_GRAD_OP", "selective-op")  # fmt: skip
     assert request.loss == "cross-entropy"  # the planner's default loss
-    with pytest.raises(ValueError, match="loss_parallel"):
-        simulation_request(estimate(model, (2, 1), loss_parallel=True, **common), **common)
     with pytest.raises(ValueError, match="activation_checkpointing"):
         simulation_request(estimate(model, (2, 1), activation_checkpointing={nn.Linear}, **common), **common)

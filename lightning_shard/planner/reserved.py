@@ -8,8 +8,8 @@ step's allocations, so it is not estimated from the phase model: the engine's re
 steps run on fake tensors (the second step has the optimizer state), and their allocation trace is replayed
 through the allocator's rules (``lightning_shard.simulate.allocator``). The simulation builds the model from a
 factory (on meta) and feeds token ids, with cross-entropy on the fp32 logits as the planner's default loss; it
-runs activation checkpointing of every block (``"full"``, or torchtitan's ``"selective-op"`` policy) or none, and
-no loss parallelism, so other configurations (per-class policies, ``loss_parallel``) raise ``ValueError``.
+runs activation checkpointing of every block (``"full"``, or torchtitan's ``"selective-op"`` policy) or none, so
+per-class policies raise ``ValueError``; sequence and loss parallelism are passed through as the plan has them.
 
 Example::
 
@@ -59,7 +59,8 @@ def simulation_request(
     loss: str = "cross-entropy",
 ):
     """The ``SimulationRequest`` that runs the configuration ``est`` describes; ``ValueError`` for what the
-    simulator cannot run (per-class checkpointing policies, loss parallelism)."""
+    simulator cannot run (per-class checkpointing policies). Loss parallelism needs ``loss="cross-entropy"``
+    and, like the strategy's flag, changes nothing without tensor parallelism."""
     from lightning_shard.simulate.run import SimulationRequest
 
     ac = est.options.checkpointing
@@ -68,8 +69,6 @@ def simulation_request(
             f"planner: activation_checkpointing={ac!r} cannot be simulated (the simulator checkpoints every block, "
             "fully or with torchtitan's selective op policy, or none); simulate with None, 'full' or 'selective-op'"
         )
-    if est.options.loss_parallel:
-        raise ValueError("planner: loss_parallel=True cannot be simulated; simulate without it")
     dp, tp = est.mesh
     if est.replicas > 1:
         strategy = "HYBRID_SHARD"
@@ -82,6 +81,7 @@ def simulation_request(
         seq_len=seq_len, steps=2, cpu_offload=est.cpu_offload, activation_checkpointing=ac or False,
         devices_per_node=devices_per_node, checkpoint=False, sequence_parallel=est.options.sequence_parallel,
         attention=attention, expandable_segments=expandable_segments, device_memory=device_memory, loss=loss,
+        loss_parallel=est.options.loss_parallel and tp > 1,
     )  # fmt: skip
 
 

@@ -9,7 +9,8 @@ memory (``torch.cuda.max_memory_reserved``), replayed from the run's allocations
 (``lightning_shard.simulate.allocator``); ``peak_device_bytes`` the bytes tensors held. Attention is counted as
 a GPU's flash attention keeps it (``lightning_shard.simulate.attention``); ``--attention math`` counts torch's
 math path instead. ``--activation-checkpointing selective-op`` applies torchtitan's selective op policy
-(``lightning_shard.simulate.selective_ac``), ``--loss cross-entropy`` torchtitan's loss.
+(``lightning_shard.simulate.selective_ac``), ``--loss cross-entropy`` torchtitan's loss, and ``--loss-parallel``
+(T > 1, cross-entropy) computes it on vocabulary-sharded logits (``lightning_shard.tp.loss_parallel``).
 
 Example::
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", choices=["torch"], default=None, help="also run torch's FSDP2 and compare")
     p.add_argument("--attention", choices=["flash", "math"], default="flash", help="how SDPA's memory is counted")
     p.add_argument("--loss", choices=["mean", "cross-entropy"], default="mean", help="on the fp32 logits")
+    p.add_argument(
+        "--loss-parallel", action="store_true",
+        help="with T > 1 and --loss cross-entropy: vocabulary-sharded logits and loss, as the strategy's flag",
+    )  # fmt: skip
     p.add_argument("--expandable-segments", action="store_true", help="replay the allocator with them on")
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device for the allocator replay")
     p.add_argument("--json", default=None, help="write the report to this file")
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing, rank=args.rank,
             devices_per_node=args.devices_per_node, checkpoint=not args.no_checkpoint, attention=args.attention,
             sequence_parallel=args.sequence_parallel, expandable_segments=args.expandable_segments, loss=args.loss,
+            loss_parallel=args.loss_parallel,
             device_memory=None if args.device_memory is None else int(args.device_memory * (1 << 30)),
         )  # fmt: skip
         report = simulate_training(factory, request)

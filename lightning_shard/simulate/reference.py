@@ -15,9 +15,11 @@ Tensor parallelism (T > 1) follows torchtitan's ``apply_tp`` for Llama (``torcht
 parallelize.py``): embedding row-parallel with a sequence-sharded output, norms ``SequenceParallel``, q/k/v and
 the MLP's gate/up column-parallel, o and down row-parallel with sequence-sharded outputs, the LM head
 column-parallel from a sequence-sharded input (``--sequence-parallel``; without it, the same plan without the
-sequence sharding, like the engine's default). Loss parallelism is off (the head's output is replicated), as in
-the engine's run, so both compute the same loss on the same logits. torchtitan's attention reshapes with ``-1``
-heads; the Llama of ``tests/tp_models.py`` reads ``n_heads``/``n_kv_heads``, so those are divided by T.
+sequence sharding, like the engine's default). With ``--loss-parallel`` the head's output stays a ``Shard(-1)``
+DTensor (``use_local_output=False``) and the cross-entropy and its backward run inside torch's
+``loss_parallel()``, as torchtitan's; without it the head's output is replicated, as in the engine's run, so both
+compute the same loss on the same logits. torchtitan's attention reshapes with ``-1`` heads; the Llama of
+``tests/tp_models.py`` reads ``n_heads``/``n_kv_heads``, so those are divided by T.
 
 Example::
 
@@ -111,8 +113,29 @@ def host_device_meshes() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def private_sharding_propagation() -> Iterator[None]:
+    """Run torch's DTensor output-metadata propagation in a fake mode of its own inside the block, as on a GPU.
+
+    Why: torch's ``ShardingPropagator`` derives an op's output shape by running it on tensors of the *global*
+    shapes in ``detect_fake_mode() or FakeTensorMode()``. On a GPU no fake mode is active, so those tensors are
+    a private fake mode's and hold no memory. In the simulator ``detect_fake_mode`` finds the simulation's fake
+    mode, whose memory tracker would count them as device memory: on each propagation cache miss, global-shape
+    tensors a GPU never allocates (under loss parallelism the cross-entropy's forward and backward each make the
+    full fp32 logits, 63 GiB for Llama 3.1 70B at 16 x 8192 tokens, where the rank holds an eighth), and peaks
+    that would depend on which simulations ran before in the process."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
 def _torch_context(device_type: str, device_count: int) -> Iterator[None]:
-    with stand_in_device_module(device_type, device_count), host_device_meshes():
+    with stand_in_device_module(device_type, device_count), host_device_meshes(), private_sharding_propagation():
         yield
 
 
@@ -128,9 +151,10 @@ def _meshes(device_type: str, request):
     return mesh, mesh if fsdp_names == names else mesh[fsdp_names[0]]
 
 
-def torchtitan_llama_plan(model: nn.Module, sequence_parallel: bool = True) -> dict:
-    """torchtitan's Llama tensor-parallel plan (loss parallelism off) for the module names of
-    ``tests/tp_models.Llama`` (torchtitan's wq/wk/wv/wo are q/k/v/o_proj, w1/w2/w3 are gate/down/up_proj).
+def torchtitan_llama_plan(model: nn.Module, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
+    """torchtitan's Llama tensor-parallel plan for the module names of ``tests/tp_models.Llama`` (torchtitan's
+    wq/wk/wv/wo are q/k/v/o_proj, w1/w2/w3 are gate/down/up_proj). ``loss_parallel=True``: the LM head's logits
+    stay vocabulary-sharded DTensors, for a cross-entropy inside torch's ``loss_parallel()``.
 
     ``sequence_parallel=False`` drops the sequence sharding (norms replicated, the embedding and the o/down
     projections reduce to replicated outputs): the plan of torch's TP tutorial without sequence parallelism,
@@ -152,7 +176,11 @@ def torchtitan_llama_plan(model: nn.Module, sequence_parallel: bool = True) -> d
     between_blocks = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks),
-        "output": ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True),
+        "output": ColwiseParallel(
+            input_layouts=between_blocks,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     gather_sequence = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
     for i in range(len(model.layers)):
@@ -222,7 +250,7 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, request) -> None:
     from lightning_shard.fsdp.units import find_repeated_blocks
 
     if request.tensor_parallel_size > 1:
-        plan = torchtitan_llama_plan(model, request.sequence_parallel)
+        plan = torchtitan_llama_plan(model, request.sequence_parallel, request.loss_parallel)
         parallelize_module(model, mesh["tensor_parallel"], plan)
         _divide_heads(model, request.tensor_parallel_size)
     from lightning_shard.simulate.run import _POLICIES
@@ -266,15 +294,23 @@ def _clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def _engine():
     from lightning_shard.simulate.run import Engine
 
+    # torchtitan calls backward on the loss DTensor itself (parallel_loss: the identity)
     return Engine(
         name="torch",
         meshes=_meshes,
         parallelize=_parallelize,
         clip_grad_norm=_clip_grad_norm,
         device_module=_torch_context,
+        loss_parallel=_loss_parallel,
     )
 
 

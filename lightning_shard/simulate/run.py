@@ -36,6 +36,7 @@ from lightning_shard.mesh import init_device_mesh
 from lightning_shard.simulate.attention import flash_attention_accounting
 from lightning_shard.simulate.kernels import simulated_staging_kernels
 from lightning_shard.simulate.world import simulated_world
+from lightning_shard.tp.loss import loss_parallel, replicated_loss
 from lightning_shard.utils import clip_grad_norm_
 
 __all__ = ["SimulationRequest", "simulate_training", "Engine", "ENGINE", "checkpoint_blocks"]
@@ -69,6 +70,7 @@ class SimulationRequest:
     expandable_segments: bool = False  # the allocator replay's setting (PYTORCH_CUDA_ALLOC_CONF)
     device_memory: int | None = None  # bytes per device for the allocator replay (None: unlimited)
     loss: str = "mean"  # "mean" of the fp32 logits, or "cross-entropy" on them (torchtitan's loss)
+    loss_parallel: bool = False  # with T > 1 and cross-entropy: vocabulary-sharded logits, as the strategy's flag
 
     def check(self) -> None:
         if self.devices < 1:
@@ -99,6 +101,12 @@ class SimulationRequest:
             raise ValueError(f"simulate: --loss {self.loss!r} is not 'mean' or 'cross-entropy'")
         if self.device_memory is not None and self.device_memory <= 0:
             raise ValueError(f"simulate: --device-memory {self.device_memory} must be positive")
+        if self.loss_parallel and (self.tensor_parallel_size < 2 or self.loss != "cross-entropy"):
+            raise ValueError(
+                f"simulate: --loss-parallel shards the cross-entropy over the tensor-parallel ranks; it needs "
+                f"--tensor-parallel-size > 1 and --loss cross-entropy (got --tensor-parallel-size "
+                f"{self.tensor_parallel_size}, --loss {self.loss}). Pass both, or drop --loss-parallel"
+            )
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,8 @@ class Engine:
     parallelize: Callable  # (model, mesh, fsdp_mesh, request) -> None: TP, then fully_shard per unit
     clip_grad_norm: Callable  # (parameters, max_norm) -> total norm
     device_module: Callable = lambda device_type, count: contextlib.nullcontext()  # what the engine needs of torch
+    loss_parallel: Callable = contextlib.nullcontext  # () -> the context of the loss's forward and backward
+    parallel_loss: Callable = lambda loss: loss  # a loss computed inside loss_parallel -> the tensor to backward
 
 
 def simulate_training(
@@ -150,10 +160,14 @@ def simulate_training(
         for _ in range(request.steps):
             with comm.count_collectives() as ours, mem.count_collectives() as dispatched:
                 x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
-                mem.phase = "forward"
-                loss = _loss(model(x), x, request)
-                mem.phase = "backward"
-                loss.backward()
+                # As the strategy: forward, loss and backward inside loss parallelism (its backward ops need it)
+                with engine.loss_parallel() if request.loss_parallel else contextlib.nullcontext():
+                    mem.phase = "forward"
+                    loss = _loss(model(x), x, request)
+                    if request.loss_parallel:
+                        loss = engine.parallel_loss(loss)
+                    mem.phase = "backward"
+                    loss.backward()
                 mem.phase = "optimizer"
                 engine.clip_grad_norm(model.parameters(), 1.0)
                 optimizer.step()
@@ -232,7 +246,9 @@ def _parallelize(model: nn.Module, mesh, fsdp_mesh, r: SimulationRequest) -> Non
     if r.tensor_parallel_size > 1:
         from lightning_shard.tp import auto_tp_plan, parallelize_module
 
-        plan = auto_tp_plan(model, mesh["tensor_parallel"], sequence_parallel=r.sequence_parallel)
+        plan = auto_tp_plan(
+            model, mesh["tensor_parallel"], sequence_parallel=r.sequence_parallel, loss_parallel=r.loss_parallel
+        )
         parallelize_module(model, mesh["tensor_parallel"], plan)
     blocks = find_repeated_blocks(model)
     checkpoint_blocks(blocks, r)
@@ -282,4 +298,11 @@ def _vocab_of(model: nn.Module) -> int:
     raise ValueError("simulate: the model has no nn.Embedding to draw token ids for; pass --vocab-size")
 
 
-ENGINE = Engine("lightning_shard", _meshes, _parallelize, clip_grad_norm_)
+ENGINE = Engine(
+    "lightning_shard",
+    _meshes,
+    _parallelize,
+    clip_grad_norm_,
+    loss_parallel=loss_parallel,
+    parallel_loss=replicated_loss,
+)

@@ -41,7 +41,7 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tensor.placements import Replicate
 from lightning_shard.tensor.redistribute import redistribute_local
 
-__all__ = ["loss_parallel", "full_logits", "sharded_logits_wanted"]
+__all__ = ["loss_parallel", "full_logits", "sharded_logits_wanted", "replicated_loss"]
 
 aten = torch.ops.aten
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -324,3 +324,21 @@ def full_logits() -> Iterator[None]:
         yield
     finally:
         _FULL_DEPTH -= 1
+
+
+def replicated_loss(loss: DTensor) -> torch.Tensor:
+    """A loss computed inside ``loss_parallel()`` as a plain tensor holding its whole value on every rank, with
+    gradients flowing back into the DTensor graph (call ``backward`` on it inside ``loss_parallel()``).
+
+    A loss with a partial placement (cross-entropy with label smoothing: its smoothing term sums the
+    log-probabilities over the sharded vocabulary) is all-reduced first; its local value alone is one rank's part.
+
+    Example::
+
+        with loss_parallel():
+            loss = replicated_loss(F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1)))
+            loss.backward()
+    """
+    if any(not p.is_replicate() for p in loss.placements):
+        loss = loss.redistribute(loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+    return loss.to_local()

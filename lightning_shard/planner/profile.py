@@ -15,7 +15,7 @@ backward transient and FLOPs comes from this one run on the meta device (nothing
 Example::
 
     prof = profile_activations(model, precision="bf16-mixed", batch=2, seq_len=2048)
-    prof.per_rank(plan, tp=2, ActivationOptions(sequence_parallel=True, checkpointing="full"))
+    prof.per_rank(plan, 2, ActivationOptions(checkpointing="full", sequence_parallel=True))
 """
 
 from __future__ import annotations

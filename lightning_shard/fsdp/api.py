@@ -38,7 +38,15 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather.
+
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> handle = model.unshard(async_op=True)   # the all-gather runs while this rank does other work
+    >>> handle.wait(); model.weight.shape        # the unsharded parameter, a plain tensor until reshard()
+    torch.Size([2, 4])
+    >>> model.reshard(); type(model.weight).__name__
+    'DTensor'
+    """
 
     def __init__(self, groups: list[FSDPParamGroup]) -> None:
         self._groups = groups
@@ -53,6 +61,10 @@ class FSDPModule:
     """Mixed into every module passed to ``fully_shard`` (its class becomes ``FSDP<Class>``).
 
     Example: ``model.set_requires_gradient_sync(False)`` for micro-batches without communication.
+
+    >>> model = fully_shard(nn.Sequential(nn.Linear(4, 4)))
+    >>> type(model).__name__, isinstance(model, FSDPModule)
+    ('FSDPSequential', True)
     """
 
     _fsdp_state: FSDPState

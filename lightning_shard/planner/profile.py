@@ -226,6 +226,9 @@ class ActivationProfile:
     every module (for TP communication). ``inputs``: fqn -> bytes of its tensor inputs. ``compute_size``:
     bytes per element of the compute dtype. ``flops``: forward FLOPs (model FLOPs, attention counted in full);
     ``hardware_flops``: the same with causal attention halved (what a flash kernel computes).
+
+    Example: ``profile_activations(model, precision="bf16-mixed", batch=2, seq_len=2048).per_rank(plan, 2)``;
+    ``estimate(..., activations=profile)`` reuses one profile across meshes.
     """
 
     records: list[tuple[tuple[str, ...], int]]

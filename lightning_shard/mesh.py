@@ -66,6 +66,12 @@ class DeviceMesh:
 
         mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
         mesh.shape, mesh["tp"].get_group()
+
+    On one rank:
+
+    >>> mesh = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
+    >>> mesh.shape, mesh["tp"].shape, mesh["tp"].get_group().size(), mesh.get_local_rank("tp")
+    ((1, 1), (1,), 1, 0)
     """
 
     @_real_tensors
@@ -300,6 +306,11 @@ def init_device_mesh(
     Example::
 
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+
+    On one rank (a single process needs no launcher):
+
+    >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    DeviceMesh('cpu', [[0]], mesh_dim_names=('data_parallel', 'tensor_parallel'))
     """
     device_type = _check_device_type(device_type)
     mesh_shape = tuple(mesh_shape)

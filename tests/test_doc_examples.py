@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import doctest
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -132,6 +133,16 @@ def test_doctests_run(module_name):
 # (c) examples that are not doctests, and the docs' code: they parse and name what exists
 
 
+def _attribute(obj: object, attr: str) -> object:
+    """``getattr``, except that an instance attribute a class declares (a dataclass field, an annotation)
+    exists on the class too, with no value to go further into."""
+    if inspect.isclass(obj) and not hasattr(obj, attr):
+        declared = {name for cls in obj.__mro__ for name in getattr(cls, "__annotations__", {})}
+        if attr in declared:
+            return None
+    return getattr(obj, attr)
+
+
 def _resolve(dotted: str) -> object:
     """Import the longest module prefix of ``dotted`` and take the rest as attributes; raise if anything is
     missing."""
@@ -142,7 +153,7 @@ def _resolve(dotted: str) -> object:
         except ModuleNotFoundError:
             continue
         for attr in parts[cut:]:
-            obj = getattr(obj, attr)
+            obj = _attribute(obj, attr)
         return obj
     raise ModuleNotFoundError(dotted)
 
@@ -234,9 +245,30 @@ def check_code(source: str, known: dict[str, str] | None = None) -> list[str]:
         tree = ast.parse(textwrap.dedent(source))
     except SyntaxError as err:
         return [f"does not parse: {err.msg} (line {err.lineno}): {source.strip()[:200]!r}"]
-    known = dict(known or {})
+    bound = _bound_names(tree)
+    known = {name: dotted for name, dotted in (known or {}).items() if name not in bound}
     problems = _imported_names(tree, known)
     return problems + _reference_problems(tree, known)
+
+
+def _bound_names(tree: ast.AST) -> set[str]:
+    """Names the code itself assigns (``plan = ...``, ``for mesh in ...``, a function's arguments), which then
+    stand for its own values, not for a public name of ours of the same spelling."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+    return bound
+
+
+@functools.cache
+def _public_namespace() -> dict[str, str]:
+    """The public names a docs block may use without importing them (an earlier block of the page did)."""
+    return {name: f"{package}.{name}" for package, name, _ in _public_names()}
 
 
 def _docstring_examples(doc: str) -> list[str]:
@@ -303,13 +335,28 @@ def test_docstring_examples_name_what_exists():
     assert not problems, "stale docstring examples:\n" + "\n".join(sorted(set(problems)))
 
 
+def _inline_code_problems(text: str) -> list[str]:
+    """Inline code in the prose that is Python (``ShardFSDPTPStrategy(timeout=...)``): the keywords it passes to
+    our names exist. Spans that are not Python (a signature with ``*``, a path) are prose."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    problems = []
+    for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", prose):
+        try:
+            tree = ast.parse(span)
+        except SyntaxError:
+            continue
+        known = {k: v for k, v in _public_namespace().items() if k not in _bound_names(tree)}
+        problems += [f"`{span}`: {p}" for p in _reference_problems(tree, known)]
+    return problems
+
+
 def _code_block_problems(text: str) -> list[str]:
     """``python`` blocks are checked as Python; ``bash`` blocks, and unlabelled ones that start with a command,
     as shell; other unlabelled blocks (output, tables) are not code."""
     problems = []
     for language, block in re.findall(r"^```(\w*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL):
         if language == "python":
-            problems += check_code(block)
+            problems += check_code(block, _public_namespace())
         elif language in ("bash", "sh", "shell") or (not language and _SHELL.match(block)):
             problems += check_shell(block)
     return problems
@@ -318,7 +365,7 @@ def _code_block_problems(text: str) -> list[str]:
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_docs_code_blocks_parse_and_name_what_exists(doc):
     text = doc.read_text()
-    problems = _code_block_problems(text) + check_shell(text)  # commands in the prose too
+    problems = _code_block_problems(text) + check_shell(text) + _inline_code_problems(text)
     for dotted in sorted(set(re.findall(r"`((?:lightning_shard|strategies|numba_kernels)(?:\.\w+)+)", text))):
         problems += _resolution_problem(dotted)
     assert not problems, f"{doc.name}:\n" + "\n".join(problems)

@@ -328,7 +328,7 @@ def test_docstring_examples_name_what_exists():
     problems = []
     for module_name in _our_modules():
         module = importlib.import_module(module_name)
-        known = _module_namespace(module)
+        known = {**_public_namespace(), **_module_namespace(module)}
         for where, doc in _docstrings(module):
             for example in _docstring_examples(inspect.cleandoc(doc)):
                 problems += [f"{where}: {p}" for p in check_code(example, known)]
@@ -346,7 +346,8 @@ def _inline_code_problems(text: str) -> list[str]:
         except SyntaxError:
             continue
         known = {k: v for k, v in _public_namespace().items() if k not in _bound_names(tree)}
-        problems += [f"`{span}`: {p}" for p in _reference_problems(tree, known)]
+        found = _imported_names(tree, known) + _reference_problems(tree, known)
+        problems += [f"`{span}`: {p}" for p in found]
     return problems
 
 

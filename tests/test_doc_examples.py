@@ -231,6 +231,9 @@ def check_shell(source: str) -> list[str]:
     for module in re.findall(r"python3? -m ([\w.]+)", source):
         if _ours(module) and importlib.util.find_spec(module) is None:
             problems.append(f"python -m {module}: no such module")
+    for module in re.findall(r"pytest -p ([\w.]+)", source):
+        if _ours(module) and importlib.util.find_spec(module) is None:
+            problems.append(f"pytest -p {module}: no such plugin module")
     for script in re.findall(r"python3? ((?:examples|benchmarks|tests)/[\w/]+\.py)", source):
         if not (ROOT / script).exists():
             problems.append(f"python {script}: no such file")
@@ -409,3 +412,5 @@ def test_readme_quick_start_matches_dev_and_ci():
     assert re.search(r"^\./dev test\s*$", (ROOT / ".ci/run").read_text(), re.MULTILINE)
     for subcommand in re.findall(r"`\./dev (\w+)", readme + (ROOT / "docs/testing.md").read_text()):
         assert subcommand in _dev_subcommands(), subcommand
+    python = re.search(r"Python (3\.\d+) or newer", readme).group(1)  # "Both need only Python 3.11 or newer"
+    assert f'requires-python = ">={python}"' in (ROOT / "pyproject.toml").read_text()

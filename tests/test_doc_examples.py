@@ -195,16 +195,34 @@ def _resolution_problem(dotted: str) -> list[str]:
     return []
 
 
-def _keyword_problem(call: ast.Call, dotted: str) -> list[str]:
+def _unbound_method(dotted: str) -> bool:
+    """A plain function taken from a class by name (``Class.method``): its signature still has ``self``."""
+    owner, _, attr = dotted.rpartition(".")
     try:
-        signature = inspect.signature(_resolve(dotted))
+        owner_obj = _resolve(owner)
+    except (ImportError, AttributeError):
+        return False
+    return inspect.isclass(owner_obj) and inspect.isfunction(inspect.getattr_static(owner_obj, attr, None))
+
+
+def _call_problem(call: ast.Call, dotted: str) -> list[str]:
+    """The call's arguments must bind to the signature: no unknown keyword, not too many positionals (missing
+    ones are fine: examples elide)."""
+    try:
+        target = _resolve(dotted)
+        signature = inspect.signature(target)
     except (TypeError, ValueError, ImportError, AttributeError):
         return []
-    params = signature.parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         return []
-    allowed = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
-    return [f"{dotted}(... {k.arg}=...): no such keyword" for k in call.keywords if k.arg and k.arg not in allowed]
+    # ``f(x, ...)``: the ellipsis elides arguments, it is not one.
+    args = [a for a in call.args if not (isinstance(a, ast.Constant) and a.value is Ellipsis)]
+    positionals = [None] * (len(args) + (1 if _unbound_method(dotted) else 0))
+    try:
+        signature.bind_partial(*positionals, **{k.arg: None for k in call.keywords})
+    except TypeError as err:
+        return [f"{dotted}(...): {err}"]
+    return []
 
 
 def _reference_problems(tree: ast.AST, known: dict[str, str]) -> list[str]:
@@ -218,7 +236,7 @@ def _reference_problems(tree: ast.AST, known: dict[str, str]) -> list[str]:
         elif isinstance(node, ast.Call) and (dotted := _dotted(node.func)) is not None:
             head, _, rest = dotted.partition(".")
             if head in known:
-                problems += _keyword_problem(node, ".".join(filter(None, [known[head], rest])))
+                problems += _call_problem(node, ".".join(filter(None, [known[head], rest])))
     return problems
 
 

@@ -1,17 +1,19 @@
 """The documentation's examples are current: every public name has a docstring with an example, the ``>>>``
-examples run, and the code in README.md and docs/*.md names only what exists.
+examples run, and the code in README.md and docs/*.md names only what exists (docs/testing.md,
+"Documentation examples").
 
-* Public names are those in the ``__all__`` of ``lightning_shard``, its subpackages and ``strategies``. A class or
-  function needs a docstring with an example (``>>>`` or an ``Example`` paragraph); a constant needs a comment on
-  the line above its assignment (a value carries no docstring of its own).
-* ``>>>`` examples in every module of ``lightning_shard`` and ``strategies`` run with :mod:`doctest` on the 1-rank
-  gloo pool of ``tests/harness.py`` (``init_device_mesh("cpu", (1,))`` works there), ``torch`` imported. An
-  example that needs more ranks, a GPU or a new process ends in ``# the reason  # doctest: +SKIP``.
-* Examples that are not ``>>>`` (``Example::`` blocks and inline ``Example: ``...````), and the ``python`` blocks
-  of README.md and docs/*.md, are checked statically: they parse, what they import from our packages exists, the
-  attributes they take of our names exist, and the keywords they pass to our functions are in the signatures.
-  Backticked dotted names (```lightning_shard.tp.loss_parallel```) and ``tests/...py::name`` references in the
-  prose must exist too.
+* Public names are those in the ``__all__`` of ``lightning_shard``, its subpackages, ``lightning_shard.utils``,
+  ``strategies`` and ``numba_kernels``. A class or function needs a docstring with an example (``>>>`` or an
+  ``Example`` paragraph); a constant needs a comment on the line above its assignment (a value carries no
+  docstring of its own).
+* ``>>>`` examples in every module of the three packages run with :mod:`doctest` on the 1-rank gloo pool of
+  ``tests/harness.py`` (``init_device_mesh("cpu", (1,))`` works there), ``torch`` imported. A line that needs more
+  ranks, a GPU or a new process ends in ``# the reason  # doctest: +SKIP``.
+* Examples that are not ``>>>`` (``Example::`` blocks and inline ``Example: ``...````), the ``python`` blocks of
+  README.md and docs/*.md and the inline Python of their prose are checked statically: they parse, what they
+  import from our packages exists, the attributes they take of our names exist, and the arguments they pass to
+  our callables bind to the signatures. ``python -m`` modules, ``pytest -p`` plugins, scripts, backticked dotted
+  names (```lightning_shard.tp.loss_parallel```) and ``tests/...py::name`` references must exist too.
 * The README's Quick start commands are ``./dev`` subcommands, ``.ci/run`` runs ``./dev test``, and that runs
   ruff and the tests without ``slow``.
 """
@@ -43,6 +45,7 @@ PUBLIC_PACKAGES = (
     "lightning_shard.simulate",
     "lightning_shard.utils",  # a module, but its clip_grad_norm_ is public API (DESIGN.md)
     "strategies",
+    "numba_kernels",
 )
 OUR_TOP_LEVEL = ("lightning_shard", "strategies", "numba_kernels", "tests")
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -50,6 +53,14 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
 # ---------------------------------------------------------------------------------------------------------------
 # (a) every public name has a docstring with an example
+
+
+def _source_files() -> list[Path]:
+    return sorted(
+        path
+        for package in ("lightning_shard", "strategies", "numba_kernels")
+        for path in (ROOT / package).rglob("*.py")
+    )
 
 
 def _public_names() -> list[tuple[str, str, object]]:
@@ -66,7 +77,7 @@ def _has_example(doc: str) -> bool:
 
 def _constant_commented(name: str) -> bool:
     """A constant counts as documented when a comment sits on the line right above its assignment."""
-    for path in [*(ROOT / "lightning_shard").rglob("*.py"), *(ROOT / "strategies").rglob("*.py")]:
+    for path in _source_files():
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             if re.match(rf"{name}\s*(:[^=]*)?=", line) and i > 0 and lines[i - 1].lstrip().startswith("#"):
@@ -98,7 +109,7 @@ def test_every_public_name_has_a_docstring_with_an_example():
 
 def _modules_with_doctests() -> list[str]:
     modules = []
-    for path in sorted([*(ROOT / "lightning_shard").rglob("*.py"), *(ROOT / "strategies").rglob("*.py")]):
+    for path in _source_files():
         if path.name == "__main__.py" or ">>>" not in path.read_text():
             continue
         parts = path.relative_to(ROOT).with_suffix("").parts
@@ -323,7 +334,7 @@ def _module_namespace(module) -> dict[str, str]:
 
 
 def _our_modules() -> list[str]:
-    paths = sorted([*(ROOT / "lightning_shard").rglob("*.py"), *(ROOT / "strategies").rglob("*.py")])
+    paths = _source_files()
     names = []
     for path in paths:
         parts = path.relative_to(ROOT).with_suffix("").parts

@@ -14,6 +14,7 @@ examples run, and the code in README.md and docs/*.md names only what exists (do
   import from our packages exists, the attributes they take of our names exist, and the arguments they pass to
   our callables bind to the signatures. ``python -m`` modules, ``pytest -p`` plugins, scripts, backticked dotted
   names (```lightning_shard.tp.loss_parallel```) and ``tests/...py::name`` references must exist too.
+* A docs python block with no free names runs as written, on the ranks it is written for (``SELF_CONTAINED_BLOCKS``).
 * The README's Quick start commands are ``./dev`` subcommands, ``.ci/run`` runs ``./dev test``, and that runs
   ruff and the tests without ``slow``.
 """
@@ -21,6 +22,7 @@ examples run, and the code in README.md and docs/*.md names only what exists (do
 from __future__ import annotations
 
 import ast
+import builtins
 import doctest
 import functools
 import importlib
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import distributed
+from tests.harness import distributed, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC_PACKAGES = (
@@ -419,6 +421,68 @@ def test_docs_name_existing_test_files_and_tests(doc):
     references = set(re.findall(r"(?<!# )(tests/[\w/]+\.py)(?:::\s*(\w+))?", doc.read_text()))
     problems = [p for path, name in sorted(references) for p in _test_reference_problem(path, name)]
     assert not problems, f"{doc.name}:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (d) the docs' python blocks that need nothing from outside (no free names) run
+
+# How each self-contained python block of the docs (doc name, index among its python blocks) runs: on that many
+# ranks of the pool (0: in this process, without a process group), or why it does not run here.
+SELF_CONTAINED_BLOCKS = {
+    ("dtensor.md", 0): 2,
+    ("gpu.md", 0): 0,
+    ("mesh.md", 0): 4,
+    ("huggingface.md", 0): "downloads a model and fine-tunes it through the Trainer",
+    ("testing.md", 0): "defines a test with the harness, which tests/test_harness.py tests",
+    ("testing_your_model.md", 0): "imports the user's own project",
+    ("testing_your_model.md", 1): "defines tests for GPUs",
+}
+
+
+def _python_blocks(doc_name: str) -> list[str]:
+    text = (ROOT / ("README.md" if doc_name == "README.md" else f"docs/{doc_name}")).read_text()
+    return [block for language, block in re.findall(r"^```(\w*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+            if language == "python"]  # fmt: skip
+
+
+def _free_names(tree: ast.AST) -> set[str]:
+    bound = _bound_names(tree) | set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def test_every_self_contained_docs_block_says_how_it_runs():
+    found = {
+        (doc.name, index)
+        for doc in DOCS
+        for index, block in enumerate(_python_blocks(doc.name))
+        if not _free_names(ast.parse(textwrap.dedent(block)))
+    }
+    assert found == set(SELF_CONTAINED_BLOCKS), "update SELF_CONTAINED_BLOCKS"
+
+
+def run_docs_block(doc_name: str, index: int) -> None:
+    """Execute one python block of the docs as a script would."""
+    block = textwrap.dedent(_python_blocks(doc_name)[index])
+    exec(compile(block, f"{doc_name} python block {index}", "exec"), {"__name__": "__docs__"})
+
+
+def _block_param(key: tuple[str, int]):
+    how = SELF_CONTAINED_BLOCKS[key]
+    marks = [pytest.mark.skip(reason=how)] if isinstance(how, str) else []
+    marks += [pytest.mark.slow] if how == 4 else []  # the 4-rank pool's start alone takes ~20 s
+    return pytest.param(*key, marks=marks, id=f"{key[0]}-{key[1]}")
+
+
+@pytest.mark.parametrize(("doc_name", "index"), [_block_param(key) for key in SELF_CONTAINED_BLOCKS])
+def test_self_contained_docs_block_runs(doc_name, index):
+    ranks = SELF_CONTAINED_BLOCKS[(doc_name, index)]
+    if ranks:
+        run_distributed(run_docs_block, ranks, doc_name, index)
+    else:
+        run_docs_block(doc_name, index)
 
 
 def _dev_subcommands() -> set[str]:

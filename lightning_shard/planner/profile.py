@@ -730,7 +730,11 @@ def profile_activations(
     transient. ``step(meta_model, inputs) -> output`` replaces the call ``meta_model(*inputs)`` (e.g. a
     LightningModule's ``training_step``). ``attention``: ``"flash"`` (what GPUs and CPUs run: the flash kernel
     saves q, k, v, the output and the log-sum-exp) or ``"math"`` (the unfused path, which keeps the
-    ``B x H x S x S`` scores; what the simulator's stand-in device runs). Example: see the module docstring."""
+    ``B x H x S x S`` scores; what the simulator's stand-in device runs).
+
+    Example: ``estimate(model, (4, 2), batch=2, seq_len=2048, activations=profile_activations(model,
+    precision="32-true", batch=2, seq_len=2048))`` reuses one profile across meshes (see the module docstring).
+    """
     if attention not in ("flash", "math"):
         raise ValueError(f"planner: attention={attention!r}; use 'flash' (GPUs, CPUs) or 'math' (unfused)")
     from lightning_shard.planner.estimate import find_blocks, precision_dtypes

@@ -124,7 +124,10 @@ def _collective_time(kind: str, nbytes: int, ranks: int, bandwidth: float, devic
 
 
 def step_time(est: Estimate, device: Device | str, devices_per_node: int, precision: str = "bf16-mixed") -> StepTime:
-    """Predicted step time of ``est`` on ``device`` (see the module docstring). Example: see there."""
+    """Predicted step time of ``est`` on ``device`` (see the module docstring).
+
+    Example: ``step_time(estimate(model, (8, 1), batch=2, seq_len=2048), "h100", devices_per_node=8).mfu``.
+    """
     device = device_named(device)
     dtype = "fp32" if precision.startswith("32") else ("fp16" if precision.startswith("16") else "bf16")
     rate = device.peak(dtype) * device.matmul_efficiency

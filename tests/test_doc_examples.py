@@ -74,7 +74,8 @@ def _public_names() -> list[tuple[str, str, object]]:
 
 
 def _has_example(doc: str) -> bool:
-    return ">>>" in doc or re.search(r"^\s*Examples?\b", doc, re.MULTILINE) is not None or "Example:" in doc
+    """A ``>>>`` example, or an ``Example`` paragraph with code in it (``Example: see there.`` is none)."""
+    return ">>>" in doc or bool(_docstring_examples(inspect.cleandoc(doc)))
 
 
 def _constant_commented(name: str) -> bool:
@@ -308,7 +309,7 @@ def _public_namespace() -> dict[str, str]:
 def _docstring_examples(doc: str) -> list[str]:
     """The non-doctest examples of a docstring: ``Example::`` literal blocks and ``Example: ``code````."""
     examples = []
-    for match in re.finditer(r"Examples?::\n((?:\s*\n|[ \t]+\S.*\n?)+)", doc + "\n"):
+    for match in re.finditer(r"Examples?\b[^\n]*?::\n((?:\s*\n|[ \t]+\S.*\n?)+)", doc + "\n"):
         block = textwrap.dedent(match.group(1))
         if ">>>" not in block:
             examples.append(block)

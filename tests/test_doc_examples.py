@@ -3,9 +3,9 @@ examples run, and the code in README.md and docs/*.md names only what exists (do
 "Documentation examples").
 
 * Public names are those in the ``__all__`` of ``lightning_shard``, its subpackages, ``lightning_shard.utils``,
-  ``strategies`` and ``numba_kernels``. A class or function needs a docstring with an example (``>>>`` or an
-  ``Example`` paragraph); a constant needs a comment on the line above its assignment (a value carries no
-  docstring of its own).
+  ``strategies`` and ``numba_kernels``. A class or function needs a docstring with an example (``>>>``, or an
+  ``Example`` paragraph with code in it); a constant needs a comment on the line above its assignment (a value
+  carries no docstring of its own).
 * ``>>>`` examples in every module of the three packages run with :mod:`doctest` on the 1-rank gloo pool of
   ``tests/harness.py`` (``init_device_mesh("cpu", (1,))`` works there), ``torch`` imported. A line that needs more
   ranks, a GPU or a new process ends in ``# the reason  # doctest: +SKIP``.

@@ -33,6 +33,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import distributed, run_distributed
 
@@ -110,20 +111,18 @@ def test_every_public_name_has_a_docstring_with_an_example():
 # (b) the >>> examples run
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _modules_with_doctests() -> list[str]:
-    modules = []
-    for path in _source_files():
-        if path.name == "__main__.py" or ">>>" not in path.read_text():
-            continue
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return modules
+    # __main__ modules run a command line when imported
+    return [_module_name(p) for p in _source_files() if p.name != "__main__.py" and ">>>" in p.read_text()]
 
 
 def run_doctests(module_name: str) -> None:
     """Run one module's ``>>>`` examples (on a rank of the 1-rank pool) and fail with doctest's report."""
-    import torch
-
     module = importlib.import_module(module_name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -167,6 +166,8 @@ def _resolve(dotted: str) -> object:
         except ModuleNotFoundError:
             continue
         for attr in parts[cut:]:
+            if obj is None:  # a declared field: what lies below it is the value's, unknown here
+                return None
             obj = _attribute(obj, attr)
         return obj
     raise ModuleNotFoundError(dotted)
@@ -337,13 +338,7 @@ def _module_namespace(module) -> dict[str, str]:
 
 
 def _our_modules() -> list[str]:
-    paths = _source_files()
-    names = []
-    for path in paths:
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[-1] != "__main__":
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+    return [_module_name(path) for path in _source_files() if path.name != "__main__.py"]
 
 
 def _docstrings(module) -> list[tuple[str, str]]:

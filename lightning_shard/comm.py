@@ -96,7 +96,9 @@ _SERVED: dict[int, tuple[dist.ProcessGroup, frozenset[str]]] = {}
 def served_device_types(group: dist.ProcessGroup | None = None) -> frozenset[str]:
     """The device types whose tensors ``group`` (default: the world) can carry, from its backend config.
 
-    >>> served_device_types(nccl_group), served_device_types(cpu_gloo_cuda_nccl_group)
+    >>> sorted(served_device_types())  # a "gloo" world: gloo serves both
+    ['cpu', 'cuda']
+    >>> served_device_types(nccl_group), served_device_types(cpu_gloo_cuda_nccl_group)  # needs CUDA  # doctest: +SKIP
     (frozenset({'cuda'}), frozenset({'cpu', 'cuda'}))
     """
     group = group if group is not None else dist.group.WORLD
@@ -194,7 +196,7 @@ def reduces_in_place(nbytes: int, group: dist.ProcessGroup) -> bool:
     """Whether ``reduce_scatter_scratch`` of an ``nbytes`` input over ``group`` leaves the result in the input
     (an all-reduce in place; its ``output`` is then unused).
 
-    >>> reduces_in_place(4 << 20, gloo_group), reduces_in_place(1 << 20, gloo_group)
+    >>> reduces_in_place(4 << 20, dist.group.WORLD), reduces_in_place(1 << 20, dist.group.WORLD)  # a gloo world
     (True, False)
     """
     return nbytes >= _GLOO_ALL_REDUCE_MIN_BYTES and "gloo" in str(dist.get_backend(group))
@@ -265,7 +267,7 @@ def barrier(group: dist.ProcessGroup | None = None, device: torch.device | None 
 def carries_data(group: dist.ProcessGroup | None = None) -> bool:
     """False on torch's fake backend (the simulator's process group), whose collectives move no data.
 
-    Example: ``if carries_data(group): ...compare values across ranks...``.
+    Example: ``if carries_data(group): ...`` around a comparison of values across ranks.
     """
     return "fake" not in str(dist.get_backend_config(group or dist.group.WORLD))
 

@@ -66,6 +66,12 @@ class DeviceMesh:
 
         mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
         mesh.shape, mesh["tp"].get_group()
+
+    On one rank:
+
+    >>> mesh = DeviceMesh("cpu", [[0]], mesh_dim_names=("dp", "tp"))
+    >>> mesh.shape, mesh["tp"].shape, mesh["tp"].get_group().size(), mesh.get_local_rank("tp")
+    ((1, 1), (1,), 1, 0)
     """
 
     @_real_tensors
@@ -300,6 +306,11 @@ def init_device_mesh(
     Example::
 
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+
+    On one rank (a single process needs no launcher):
+
+    >>> init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    DeviceMesh('cpu', [[0]], mesh_dim_names=('data_parallel', 'tensor_parallel'))
     """
     device_type = _check_device_type(device_type)
     mesh_shape = tuple(mesh_shape)
@@ -347,7 +358,9 @@ def group_backend(device_type: str) -> str | None:
     """The backend for new groups of a ``device_type`` mesh: None (inherit the default group's) when the
     default group already serves both the device and CPU, else the device's CPU-capable backend.
 
-    >>> group_backend("cpu"), group_backend("cuda")   # under Lightning's NCCL-only default group
+    >>> group_backend("cpu"), group_backend("cuda")   # a gloo default group serves both
+    (None, None)
+    >>> group_backend("cpu"), group_backend("cuda")   # Lightning's NCCL-only default group  # doctest: +SKIP
     (None, 'cpu:gloo,cuda:nccl')
     """
     if device_type == "cpu" or {device_type, "cpu"} <= comm.served_device_types(dist.group.WORLD):
@@ -364,7 +377,8 @@ def world_timeout() -> timedelta | None:
     that failed would then wait 30 minutes, not the ``timeout`` the user gave ``init_process_group`` (the
     Lightning strategy's ``timeout=``). None (the backend's default) when the default group does not say.
 
-    >>> dist.init_process_group("gloo", timeout=timedelta(seconds=60)); world_timeout()
+    >>> dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # at a process's start  # doctest: +SKIP
+    >>> world_timeout()  # doctest: +SKIP
     datetime.timedelta(seconds=60)
     """
     world = dist.group.WORLD

@@ -50,6 +50,13 @@ def clip_grad_norm_(
 
         total = clip_grad_norm_(model.parameters(), 1.0)               # 2-norm
         clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+
+    >>> from torch import nn
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> model(torch.ones(1, 4)).sum().backward()         # every gradient element is 1: the norm is sqrt(10)
+    >>> round(clip_grad_norm_(model.parameters(), 1.0).item(), 4), round(model.bias.grad.full_tensor()[0].item(), 4)
+    (3.1623, 0.3162)
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

@@ -20,10 +20,10 @@ Example (on a CUDA machine)::
 
     >>> import torch, numba_kernels as nk
     >>> layout = nk.GroupLayout([(5, 3)], world_size=2)
-    >>> layout.warm("cuda", torch.bfloat16, torch.float32)
-    >>> shard = torch.randn(layout.shard_numel, device="cuda")
-    >>> ag = torch.empty(2, layout.shard_numel, dtype=torch.bfloat16, device="cuda")
-    >>> nk.all_gather_copy_in(layout, shard, ag, rank=0)   # impl="auto" -> this module
+    >>> layout.warm("cuda", torch.bfloat16, torch.float32)  # needs CUDA  # doctest: +SKIP
+    >>> shard = torch.randn(layout.shard_numel, device="cuda")  # needs CUDA  # doctest: +SKIP
+    >>> ag = torch.empty(2, layout.shard_numel, dtype=torch.bfloat16, device="cuda")  # needs CUDA  # doctest: +SKIP
+    >>> nk.all_gather_copy_in(layout, shard, ag, rank=0)   # impl="auto" -> this module; needs CUDA  # doctest: +SKIP
 """
 
 from __future__ import annotations

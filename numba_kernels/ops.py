@@ -13,8 +13,8 @@ Example::
     >>> reduce_scatter_copy_in(layout, [torch.ones(3, 2), torch.ones(5)], rs_in, predivide=2.0)
     >>> grad = torch.zeros(layout.shard_numel)
     >>> post_reduce(layout, rs_in[0], grad, postdivide=1.0, accumulate=True)
-    >>> grad.tolist()
-    [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    >>> grad.tolist()   # rank 0's shard: 2 of the 3 rows of the first parameter, 3 of the 5 of the second
+    [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ in both registries (idempotently).
 Example::
 
     import strategies
+    from lightning.fabric import Fabric
     from lightning.pytorch import Trainer
     trainer = Trainer(accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
-    fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY

@@ -33,7 +33,8 @@ class ShardFabricPrecision(FabricPrecision):
             ``"16-true"``); anything else raises ``ValueError``.
         device: the device type autocast and the gradient scaler run on.
 
-    Example: ``ShardFabricPrecision("bf16-mixed", "cpu").mp_policy.param_dtype`` is ``torch.bfloat16``.
+    >>> ShardFabricPrecision("bf16-mixed", "cpu").mp_policy.param_dtype
+    torch.bfloat16
     """
 
     def __init__(self, precision: str, device: str = "cpu") -> None:

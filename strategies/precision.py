@@ -85,7 +85,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
 
 class ShardPrecision(Precision):
-    """Lightning precision plugin for "shard_fsdp_tp" (see the module docstring)."""
+    """Lightning precision plugin for "shard_fsdp_tp" (see the module docstring).
+
+    >>> ShardPrecision("bf16-mixed").mp_policy.param_dtype, ShardPrecision("16-mixed", "cpu").scaler is not None
+    (torch.bfloat16, True)
+    """
 
     def __init__(self, precision: str, device: str = "cpu") -> None:
         precision = _ALIASES.get(precision, precision)

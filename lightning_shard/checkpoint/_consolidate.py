@@ -290,6 +290,18 @@ def consolidate(
 
         consolidate("ckpts/step3", "step3.pt")
         torch.load("step3.pt", weights_only=True)["model"]["embed.weight"]
+
+    >>> import tempfile
+    >>> from torch import nn
+    >>> from lightning_shard.checkpoint import get_model_state_dict, save
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     save({"model": get_model_state_dict(model), "step": 3}, f"{tmp}/step3")
+    ...     consolidate(f"{tmp}/step3", f"{tmp}/step3.pt")
+    ...     full = torch.load(f"{tmp}/step3.pt", weights_only=True)
+    >>> full["step"], torch.equal(full["model"]["weight"], model.weight.full_tensor())
+    (3, True)
     """
     sharded_dir = os.path.abspath(os.fspath(sharded_dir))
     out_file = os.path.abspath(os.fspath(out_file))

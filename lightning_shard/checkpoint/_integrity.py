@@ -75,17 +75,48 @@ NO_DATA = "no-data"  # the digest recorded for a tensor without bytes (a fake te
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be read or written. The message names the path (and the file and entry)."""
+    """A checkpoint could not be read or written. The message names the path (and the file and entry).
+
+    Example::
+
+        try:
+            load(state, "ckpts/step3")
+        except CheckpointError as err:   # CheckpointCorruptError too; a missing directory is FileNotFoundError
+            print(err)                   # names the directory, the file and the entry
+    """
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is damaged: truncated, unreadable, or its content differs from its checksum."""
+    """A checkpoint file is damaged: truncated, unreadable, or its content differs from its checksum.
+
+    >>> import tempfile
+    >>> from torch import nn
+    >>> from lightning_shard.checkpoint import get_model_state_dict, load, save
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     save({"model": get_model_state_dict(model)}, f"{tmp}/step1")
+    ...     shard = f"{tmp}/step1/__0_0.distcp"
+    ...     os.truncate(shard, os.path.getsize(shard) - 8)   # the disk lost the file's end after the save
+    ...     try:
+    ...         load({"model": get_model_state_dict(model)}, f"{tmp}/step1")
+    ...     except CheckpointCorruptError as err:
+    ...         print("is truncated" in str(err), isinstance(err, CheckpointError))
+    True True
+    """
 
 
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed; ``errno`` is the OS error's (e.g. ``errno.ENOSPC``) when there was one.
 
     An ``OSError`` (not a :class:`CheckpointError`), so that ``except OSError`` handlers of disk problems see it.
+
+    Example::
+
+        try:
+            save(state, "ckpts/step3")
+        except CheckpointWriteError as err:   # the previous checkpoint is intact, the temp dir removed
+            full = err.errno == errno.ENOSPC
     """
 
     def __init__(self, message: str, err: int | None = None) -> None:

@@ -58,7 +58,14 @@ _ALLOWED = {
 
 
 class CheckpointSecurityError(RuntimeError):
-    """A checkpoint file asked to unpickle something other than plain data."""
+    """A checkpoint file asked to unpickle something other than plain data.
+
+    >>> import io, os, pickle
+    >>> load_metadata(io.BytesIO(pickle.dumps(os.system)))   # what load() does with a ".metadata" file
+    Traceback (most recent call last):
+    ...
+    lightning_shard.checkpoint._safe_io.CheckpointSecurityError: checkpoint metadata asks to load posix.system, ...
+    """
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -627,6 +627,23 @@ def load(
 
         state = {"model": get_model_state_dict(model), "step": 0}
         load(state, "ckpts/step3")          # the model's parameters now hold the checkpoint's values
+
+    A round trip on one rank:
+
+    >>> import tempfile
+    >>> from torch import nn
+    >>> from lightning_shard.checkpoint import get_model_state_dict
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> saved = model.weight.full_tensor().clone()
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     save({"model": get_model_state_dict(model), "step": 3}, f"{tmp}/step3")
+    ...     with torch.no_grad():
+    ...         _ = model.weight.zero_()
+    ...     state = {"model": get_model_state_dict(model), "step": 0}
+    ...     loaded = load(state, f"{tmp}/step3")   # fills state in place and returns it
+    >>> loaded is state, state["step"], torch.equal(model.weight.full_tensor(), saved)
+    (True, 3, True)
     """
     path = os.path.abspath(os.fspath(path))
     error: Exception | None = None

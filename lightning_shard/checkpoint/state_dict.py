@@ -166,6 +166,13 @@ def get_model_state_dict(
         sd = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)
         if dist.get_rank() == 0:
             torch.save(sd, "model.pt")
+
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> {k: (type(v).__name__, tuple(v.shape)) for k, v in get_model_state_dict(model, full_state_dict=True).items()}
+    {'weight': ('Tensor', (2, 4)), 'bias': ('Tensor', (2,))}
+    >>> type(get_model_state_dict(model)["weight"]).__name__   # sharded: the parameters' DTensors
+    'DTensor'
     """
     keep = not full_state_dict or _keep_full(cpu_offload)
     cache: dict[int, torch.Tensor | None] = {}
@@ -398,6 +405,14 @@ def get_optimizer_state_dict(
 
         osd = get_optimizer_state_dict(model, optim)
         osd["param_groups"][0]["params"]   # ['embed.weight', 'blocks.0.norm.weight', ...]
+
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> optim = torch.optim.AdamW(model.parameters())
+    >>> model(torch.ones(1, 4)).sum().backward(); optim.step()
+    >>> osd = get_optimizer_state_dict(model, optim)
+    >>> osd["param_groups"][0]["params"], sorted(osd["state"]["weight"])
+    (['weight', 'bias'], ['exp_avg', 'exp_avg_sq', 'step'])
     """
     _init_optim_state(optimizer)
     groups = _optim_fqns(model, optimizer)

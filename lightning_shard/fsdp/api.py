@@ -38,7 +38,15 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather.
+
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> handle = model.unshard(async_op=True)   # the all-gather runs while this rank does other work
+    >>> handle.wait(); model.weight.shape        # the unsharded parameter, a plain tensor until reshard()
+    torch.Size([2, 4])
+    >>> model.reshard(); type(model.weight).__name__
+    'DTensor'
+    """
 
     def __init__(self, groups: list[FSDPParamGroup]) -> None:
         self._groups = groups
@@ -53,6 +61,10 @@ class FSDPModule:
     """Mixed into every module passed to ``fully_shard`` (its class becomes ``FSDP<Class>``).
 
     Example: ``model.set_requires_gradient_sync(False)`` for micro-batches without communication.
+
+    >>> model = fully_shard(nn.Sequential(nn.Linear(4, 4)))
+    >>> type(model).__name__, isinstance(model, FSDPModule)
+    ('FSDPSequential', True)
     """
 
     _fsdp_state: FSDPState
@@ -180,6 +192,15 @@ def fully_shard(
     Example::
 
         fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+    On one rank (the default mesh is every rank):
+
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    >>> for block in model:
+    ...     _ = fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    >>> model = fully_shard(model)
+    >>> type(model).__name__, model[0].weight.placements, model(torch.ones(3, 4)).dtype
+    ('FSDPSequential', (Shard(dim=0),), torch.bfloat16)
     """
     _check_arguments(mesh, reshard_after_forward, mp_policy, offload_policy)
     install_step_guard()
@@ -501,6 +522,13 @@ def summon_full_params(module: nn.Module, writeback: bool = True, rank0_only: bo
         with summon_full_params(model, writeback=False, rank0_only=True):
             if dist.get_rank() == 0:
                 print(model(prompt))
+
+    >>> model = fully_shard(nn.Linear(4, 2))
+    >>> with summon_full_params(model):
+    ...     type(model.weight).__name__, model.weight.shape   # plain, unsharded parameters inside
+    ('Parameter', torch.Size([2, 4]))
+    >>> type(model.weight).__name__
+    'DTensor'
     """
     if rank0_only and writeback:
         raise ValueError("summon_full_params: rank0_only=True cannot write back; pass writeback=False")

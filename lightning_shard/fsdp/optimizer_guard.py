@@ -51,6 +51,17 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
     ``fully_shard`` replaced (the optimizer was built before it).
 
     Example: ``check_optimizer_params(torch.optim.AdamW(model.parameters()))`` -> None when built in time.
+
+    >>> from torch import nn
+    >>> from lightning_shard.fsdp import fully_shard
+    >>> model = nn.Linear(4, 2)
+    >>> too_early = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> model = fully_shard(model)
+    >>> check_optimizer_params(torch.optim.SGD(model.parameters(), lr=0.1))   # None: built after fully_shard
+    >>> check_optimizer_params(too_early)
+    Traceback (most recent call last):
+    ...
+    ValueError: SGD param group 0 holds the parameter 'weight' (shape (2, 4)) that fully_shard(Linear) replaced ...
     """
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

@@ -14,7 +14,8 @@ Memory layout (the point where we go beyond torch FSDP2):
 Example::
 
     group = FSDPParamGroup(params, mesh_info, MixedPrecisionPolicy(), OffloadPolicy(), device)
-    group.unshard(); ...forward...; group.reshard()
+    group.unshard()   # before the forward
+    group.reshard()   # after it
 """
 
 from __future__ import annotations

@@ -19,7 +19,11 @@ class MixedPrecisionPolicy:
     ``reduce_dtype=None`` means: fp32 when ``param_dtype`` is bf16 (bf16 gradient reduction loses accuracy at
     scale; this differs from torch, which reduces in ``param_dtype``), else ``param_dtype``.
 
-    Example: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes in bf16, reduces in fp32.
+    Example: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes in bf16, reduces in fp32:
+
+    >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    >>> policy.compute_dtype(torch.float32), policy.gradient_dtype(torch.float32)
+    (torch.bfloat16, torch.float32)
     """
 
     param_dtype: torch.dtype | None = None

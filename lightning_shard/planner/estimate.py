@@ -149,7 +149,11 @@ class Collective:
     """One kind of collective in a step: ``nbytes`` is the full buffer each call moves (the all-gather output,
     the reduce-scatter input, the all-reduce tensor), ``ranks`` the group size, ``scope`` which mesh dimension
     (``"fsdp"``, ``"tp"``, ``"replicate"``), ``calls`` how many per step, ``overlapped`` whether the engine
-    runs it beside compute (FSDP prefetch and the asynchronous reduce-scatter) or on the critical path."""
+    runs it beside compute (FSDP prefetch and the asynchronous reduce-scatter) or on the critical path.
+
+    Example: ``Collective("all_gather", nbytes=516000, ranks=2, scope="fsdp")`` is one all-gather per step of a
+    516,000-byte output over 2 ranks, one of ``estimate(...).collectives``.
+    """
 
     kind: str
     nbytes: int
@@ -166,6 +170,12 @@ class Estimate:
     ``device_total`` is what must fit on one device; ``cpu_bytes`` is what CPU offload moves to host memory.
     ``comm`` maps collective kind to bytes each rank sends per step; ``collectives`` lists them for the time
     model. ``replicas``: HSDP replica count (parameters shard over ``dp // replicas`` ranks).
+
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1000))   # 129,000 fp32 parameters
+    >>> est = estimate(model, (2, 1), batch=2, seq_len=16)
+    >>> est.mesh, est.params, est.comm["all_gather"]    # half of the 516,000 bytes per rank, and what it sends
+    ((2, 1), 258000, 258000)
     """
 
     mesh: tuple[int, int]
@@ -261,6 +271,11 @@ class Estimate:
 
 
 def format_bytes(n: float) -> str:
+    """A byte count in binary units, as the planner's tables print it.
+
+    >>> format_bytes(512), format_bytes(3 * 2**30)
+    ('512 B', '3.00 GiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -57,13 +57,24 @@ class NoFitError(ValueError):
     """No configuration fits the memory budget; the message says by how much and which knob helps most.
 
     A ``ValueError`` (bad input for this budget), distinct from errors of the model's own forward on meta.
+
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1000))
+    >>> plan(model, 2, 2, "10KB", batch=2, seq_len=16)
+    Traceback (most recent call last):
+    ...
+    lightning_shard.planner.plan.NoFitError: planner: the model does not fit on any configuration of 2 devices ...
     """
 
 
 @dataclass(frozen=True)
 class MeshOption:
     """One candidate: its estimate and predicted step time (``None`` when the mesh is invalid), whether it
-    fits, and why not when invalid."""
+    fits, and why not when invalid.
+
+    Example: ``[(o.config, o.fits) for o in plan(model, 2, 2, "1GB", batch=2, seq_len=16).options]`` ->
+    ``[('2x1 ac=none', True), ('1x2 ac=none', True)]`` (see :class:`PlanResult`).
+    """
 
     mesh: tuple[int, int]
     estimate: Estimate | None
@@ -96,7 +107,14 @@ class MeshOption:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """All candidates, the chosen one, the usable memory per device and the table as a string."""
+    """All candidates, the chosen one, the usable memory per device and the table as a string.
+
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1000))
+    >>> result = plan(model, 2, 2, "1GB", batch=2, seq_len=16)
+    >>> [(o.mesh, o.fits) for o in result.options], result.choice.mesh
+    ([((2, 1), True), ((1, 2), True)], (2, 1))
+    """
 
     options: list[MeshOption]
     choice: MeshOption | None
@@ -110,7 +128,11 @@ class PlanResult:
 
 def parse_bytes(text: str | int | float) -> int:
     """``"80GB"`` / ``"80GiB"`` / ``"512MB"`` / ``12e9`` -> bytes (GB and GiB both mean 2**30: device memory
-    is sold in GiB under the name GB)."""
+    is sold in GiB under the name GB).
+
+    >>> parse_bytes("80GB") == parse_bytes("80GiB") == 80 * 2**30, parse_bytes("512MB"), parse_bytes(12e9)
+    (True, 536870912, 12000000000)
+    """
     if isinstance(text, (int, float)):
         return int(text)
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))

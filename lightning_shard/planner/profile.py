@@ -15,7 +15,7 @@ backward transient and FLOPs comes from this one run on the meta device (nothing
 Example::
 
     prof = profile_activations(model, precision="bf16-mixed", batch=2, seq_len=2048)
-    prof.per_rank(plan, tp=2, ActivationOptions(sequence_parallel=True, checkpointing="full"))
+    prof.per_rank(plan, 2, ActivationOptions(checkpointing="full", sequence_parallel=True))
 """
 
 from __future__ import annotations
@@ -226,6 +226,9 @@ class ActivationProfile:
     every module (for TP communication). ``inputs``: fqn -> bytes of its tensor inputs. ``compute_size``:
     bytes per element of the compute dtype. ``flops``: forward FLOPs (model FLOPs, attention counted in full);
     ``hardware_flops``: the same with causal attention halved (what a flash kernel computes).
+
+    Example: ``profile_activations(model, precision="bf16-mixed", batch=2, seq_len=2048).per_rank(plan, 2)``;
+    ``estimate(..., activations=profile)`` reuses one profile across meshes.
     """
 
     records: list[tuple[tuple[str, ...], int]]
@@ -727,7 +730,11 @@ def profile_activations(
     transient. ``step(meta_model, inputs) -> output`` replaces the call ``meta_model(*inputs)`` (e.g. a
     LightningModule's ``training_step``). ``attention``: ``"flash"`` (what GPUs and CPUs run: the flash kernel
     saves q, k, v, the output and the log-sum-exp) or ``"math"`` (the unfused path, which keeps the
-    ``B x H x S x S`` scores; what the simulator's stand-in device runs). Example: see the module docstring."""
+    ``B x H x S x S`` scores; what the simulator's stand-in device runs).
+
+    Example: ``estimate(model, (4, 2), batch=2, seq_len=2048, activations=profile_activations(model,
+    precision="32-true", batch=2, seq_len=2048))`` reuses one profile across meshes (see the module docstring).
+    """
     if attention not in ("flash", "math"):
         raise ValueError(f"planner: attention={attention!r}; use 'flash' (GPUs, CPUs) or 'math' (unfused)")
     from lightning_shard.planner.estimate import find_blocks, precision_dtypes

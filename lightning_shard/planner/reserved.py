@@ -33,7 +33,10 @@ __all__ = ["SimulatedMemory", "simulated_reserved", "simulation_request"]
 @dataclass(frozen=True)
 class SimulatedMemory:
     """Per-device peaks of a simulated step: ``peak_allocated`` (tensors), ``peak_reserved`` (the caching
-    allocator's segments), ``reserved_by_phase``; ``planned_allocated`` is the planner's estimate beside them."""
+    allocator's segments), ``reserved_by_phase``; ``planned_allocated`` is the planner's estimate beside them.
+
+    Example: ``simulated_reserved(build_llama, est, precision="bf16-mixed", batch=1, seq_len=2048).peak_reserved``.
+    """
 
     planned_allocated: int
     peak_allocated: int
@@ -87,7 +90,14 @@ def simulation_request(
 
 def simulated_reserved(factory: Callable[[], nn.Module], est: Estimate, **request) -> SimulatedMemory:
     """Simulate the configuration of ``est`` (the model from ``factory``, called on meta) as rank 0 and return
-    its allocated and reserved peaks; ``request``: ``simulation_request``'s keywords."""
+    its allocated and reserved peaks; ``request``: ``simulation_request``'s keywords.
+
+    Example::
+
+        est = estimate(model, (8, 1), precision="bf16-mixed", batch=1, seq_len=2048)
+        mem = simulated_reserved(build_llama, est, precision="bf16-mixed", batch=1, seq_len=2048)
+        mem.peak_reserved, mem.reserved_over_allocated
+    """
     from lightning_shard.simulate.run import simulate_training
 
     report = simulate_training(factory, simulation_request(est, **request))

@@ -26,6 +26,7 @@ from lightning_shard.device import DeviceHandle
 
 __all__ = ["RecordingHandle", "SimStream", "SimEvent", "SimDeviceModule", "STAND_IN_DEVICE"]
 
+# The device type the simulator's fake accelerator tensors use (see the module docstring for why not "cuda").
 STAND_IN_DEVICE = "lazy"
 
 
@@ -72,7 +73,12 @@ class SimEvent:
 
 
 class RecordingHandle(DeviceHandle):
-    """The stand-in accelerator's handle (see the module docstring); ``calls`` lists ``(name, *details)``."""
+    """The stand-in accelerator's handle (see the module docstring); ``calls`` lists ``(name, *details)``.
+
+    >>> handle = RecordingHandle(device_count=2)
+    >>> handle.device_type, handle.device_count(), handle.backend
+    ('lazy', 2, 'lazy:fake')
+    """
 
     def __init__(self, device_type: str = STAND_IN_DEVICE, device_count: int = 8, device_set: bool = False) -> None:
         self.device_type = device_type

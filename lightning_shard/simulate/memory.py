@@ -55,7 +55,15 @@ __all__ = ["MemoryTracker"]
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Live bytes, peak bytes and peak bytes per phase, by device type (see the module docstring)."""
+    """Live bytes, peak bytes and peak bytes per phase, by device type (see the module docstring).
+
+    >>> with MemoryTracker() as mem:
+    ...     x = torch.empty(256)   # 1 KiB
+    ...     y = x * 2              # 1 KiB more, freed at once
+    ...     del y
+    >>> mem.peak["cpu"], mem.live["cpu"]
+    (2048, 1024)
+    """
 
     def __init__(self, trace_device: str | None = None, stream_of: Callable[[], str] | None = None) -> None:
         super().__init__()

@@ -15,7 +15,7 @@ FSDP2 on the same simulation, for ``--reference torch``.
 
 Example::
 
-    report = simulate_training(build_llama, devices=8, precision="bf16-mixed", batch=1, seq_len=8192)
+    report = simulate_training(build_llama, SimulationRequest(devices=8, precision="bf16-mixed", seq_len=8192))
     report["peak_device_bytes"]
 """
 

@@ -38,7 +38,11 @@ __all__ = ["SimWorld", "simulated_world"]
 
 @dataclass
 class SimWorld:
-    """What ``simulated_world`` yields: the rank, the accelerator device, its recording handle and memory."""
+    """What ``simulated_world`` yields: the rank, the accelerator device, its recording handle and memory.
+
+    Example: ``world.rank, world.device_type, world.handle.device_count()`` is ``(3, "lazy", 8)`` inside
+    ``simulated_world(8, rank=3)`` (see there).
+    """
 
     rank: int
     world_size: int
@@ -60,6 +64,12 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
     """Run the block as ``rank`` of ``world_size`` simulated accelerators (see the module docstring).
 
     The process's device is already chosen, as Lightning and torchrun do before the model is built.
+
+    Example (in a process without a process group; it raises ``RuntimeError`` otherwise)::
+
+        with simulated_world(8, rank=3) as world:
+            x = torch.empty(1024, device=world.device_type)   # a fake "lazy" tensor: no memory, counted
+            world.memory.peak["lazy"], dist.get_world_size()    # (4096, 8)
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"simulated_world: world_size={world_size!r} must be a positive int")

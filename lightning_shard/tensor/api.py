@@ -33,7 +33,12 @@ def distribute_tensor(
     dim), so every rank ends up with a shard of the same tensor; ``src_data_rank=None`` skips the broadcast
     and trusts each rank's own copy. The result is a leaf that requires grad like ``tensor``.
 
-    Example: ``distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)])``.
+    Example: ``distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)])`` (4 and 3 rows on 2 ranks); on one rank:
+
+    >>> from lightning_shard import init_device_mesh
+    >>> from lightning_shard.tensor import Shard
+    >>> distribute_tensor(torch.randn(7, 5), init_device_mesh("cpu", (1,)), [Shard(0)]).to_local().shape
+    torch.Size([7, 5])
     """
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor: the tensor is already a DTensor; use .redistribute(mesh, placements)")

@@ -30,7 +30,14 @@ __all__ = ["DTensor"]
 
 
 class DTensor(torch.Tensor):
-    """A distributed tensor. See the module docstring; build one with ``from_local`` or ``distribute_tensor``."""
+    """A distributed tensor. See the module docstring; build one with ``from_local`` or ``distribute_tensor``.
+
+    >>> from lightning_shard import init_device_mesh
+    >>> from lightning_shard.tensor import Shard
+    >>> x = DTensor.from_local(torch.ones(2, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+    >>> x.shape, x.placements, (x * 2).full_tensor().sum().item()
+    (torch.Size([2, 3]), (Shard(dim=0),), 12.0)
+    """
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec

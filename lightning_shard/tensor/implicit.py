@@ -26,7 +26,16 @@ _STATE = threading.local()
 
 @contextlib.contextmanager
 def implicit_replication() -> Iterator[None]:
-    """Inside the ``with`` block, plain tensors mixed with DTensors are replicated DTensors (see the module)."""
+    """Inside the ``with`` block, plain tensors mixed with DTensors are replicated DTensors (see the module).
+
+    >>> from lightning_shard import init_device_mesh
+    >>> from lightning_shard.tensor import Shard, distribute_tensor
+    >>> x = distribute_tensor(torch.zeros(2, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+    >>> with implicit_replication():
+    ...     y = x + torch.ones(2, 3)
+    >>> y.placements, y.full_tensor().sum().item()
+    ((Shard(dim=0),), 6.0)
+    """
     before = implicit_replication_enabled()
     _STATE.on = True
     try:

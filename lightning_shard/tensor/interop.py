@@ -61,11 +61,14 @@ def _strided_shard_cls():
 def to_torch_dtensor(x: DTensor) -> torch.distributed.tensor.DTensor:
     """The same distributed tensor as torch's ``DTensor`` (shares ``x``'s local shard and process groups).
 
-    Example::
-
-        x = distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)])
-        t = to_torch_dtensor(x)        # torch.distributed.tensor.DTensor, placements (Shard(dim=0),)
-        t.to_local().data_ptr() == x.to_local().data_ptr()
+    >>> from lightning_shard import init_device_mesh
+    >>> from lightning_shard.tensor import distribute_tensor
+    >>> x = distribute_tensor(torch.randn(7, 5), init_device_mesh("cpu", (1,)), [Shard(0)])
+    >>> t = to_torch_dtensor(x)
+    >>> isinstance(t, torch.distributed.tensor.DTensor), t.placements
+    (True, (Shard(dim=0),))
+    >>> t.to_local().data_ptr() == x.to_local().data_ptr()
+    True
     """
     if not isinstance(x, DTensor):
         raise TypeError(f"to_torch_dtensor: expected a lightning_shard DTensor, got {type(x).__name__}")

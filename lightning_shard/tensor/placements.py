@@ -23,7 +23,11 @@ _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
 class Placement:
-    """Base class of all placements."""
+    """Base class of all placements.
+
+    >>> [(p.is_shard(), p.is_replicate(), p.is_partial()) for p in (Shard(0), Replicate(), Partial())]
+    [(True, False, False), (False, True, False), (False, False, True)]
+    """
 
     def is_shard(self, dim: int | None = None) -> bool:
         """True for ``Shard`` (on ``dim`` when given), strided or not."""

@@ -50,7 +50,14 @@ def parallelize_module(
     An ``nn.TransformerEncoder`` whose layers a style hooks runs its eval forward on padded tensors, never
     nested ones, with the nested path's results (``nested_encoder.py``).
 
-    Example: ``parallelize_module(model, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})``.
+    Example: ``parallelize_module(model, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})``; on one rank:
+
+    >>> from lightning_shard import init_device_mesh
+    >>> from lightning_shard.tp import ColwiseParallel, RowwiseParallel
+    >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> mlp = parallelize_module(mlp, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    >>> mlp[0].weight.placements, mlp[2].weight.placements, mlp(torch.ones(3, 4)).shape
+    ((Shard(dim=0),), (Shard(dim=1),), torch.Size([3, 4]))
     """
     if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
         shape = getattr(device_mesh, "shape", None)

@@ -639,6 +639,17 @@ def auto_tp_plan(
 
         plan, summary = auto_tp_plan(model, mesh["tensor_parallel"], sequence_parallel=True, return_summary=True)
         parallelize_module(model, mesh["tensor_parallel"], plan)
+
+    >>> import torch
+    >>> class MLP(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+    ...     def forward(self, x):
+    ...         return self.down(torch.relu(self.up(x)))
+    >>> plan, summary = auto_tp_plan(nn.Sequential(MLP()), 2, return_summary=True)
+    >>> summary
+    ['0: MLP, hidden 16 split over tp 2', '0.up: ColwiseParallel', '0.down: RowwiseParallel']
     """
     if isinstance(tp_mesh, DeviceMesh):
         if tp_mesh.ndim != 1:

@@ -70,6 +70,12 @@ def tp_coverage(model: nn.Module, plan, summary: list[str] | None = None) -> TPC
     that say ``left replicated``; otherwise "no plan entry".
 
     Example: ``tp_coverage(model, *auto_tp_plan(model, 2, return_summary=True))``.
+
+    >>> from lightning_shard.tp import ColwiseParallel
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    >>> cov = tp_coverage(model, {"0": ColwiseParallel()})   # the weights' elements, biases aside
+    >>> cov.sharded_elements, cov.total_elements, cov.replicated[0][:2], cov.replicated[0][2].startswith("no plan")
+    (128, 256, ('1', 128), True)
     """
     planned: dict[int, bool] = {}
     for _, sub, style in _resolve(model, plan):

@@ -264,6 +264,22 @@ def loss_parallel() -> Iterator[None]:
         with loss_parallel():
             loss = F.cross_entropy(model(x), y)    # the LM head: ColwiseParallel(use_local_output=False)
             loss.backward()
+
+    On one rank:
+
+    >>> from torch import nn
+    >>> from lightning_shard import init_device_mesh
+    >>> from lightning_shard.tp import ColwiseParallel, parallelize_module
+    >>> mesh = init_device_mesh("cpu", (1,))
+    >>> head = parallelize_module(nn.Linear(8, 10), mesh, ColwiseParallel(use_local_output=False))
+    >>> logits = head(torch.randn(4, 8))
+    >>> logits.placements                     # sharded over the vocabulary
+    (Shard(dim=1),)
+    >>> with loss_parallel():
+    ...     loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
+    ...     loss.backward()
+    >>> loss.placements, head.weight.grad.placements
+    ((Replicate(),), (Shard(dim=0),))
     """
     global _DEPTH
     load_rules()

@@ -39,6 +39,9 @@ class ParallelStyle:
 
     ``planned_placements(module)`` tells ``parallelize_module`` which parameters the style distributes and
     how, so tied parameters can be checked for consistency before any collective.
+
+    >>> ColwiseParallel().planned_placements(nn.Linear(4, 2))
+    {'weight': (Shard(dim=0),), 'bias': (Shard(dim=0),)}
     """
 
     src_data_rank: int | None = 0

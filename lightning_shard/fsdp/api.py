@@ -465,24 +465,27 @@ def _check_device(fqn: str, p: nn.Parameter, device: torch.device) -> None:
 
 def _check_not_top_down(modules) -> None:
     for m in modules:
+        below = _managed_below(m)
         for sub in m.modules():
             if isinstance(sub, FSDPModule):
                 continue
             for p in sub.parameters(recurse=False):
-                if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False) and not _managed_below(m, p):
+                if isinstance(p, DTensor) and getattr(p, "_fsdp_managed", False) and id(p) not in below:
                     raise ValueError(
                         f"fully_shard: {type(m).__name__} holds parameters already sharded by an enclosing module's "
                         "fully_shard; apply fully_shard bottom-up (inner blocks first, then the root)"
                     )
 
 
-def _managed_below(root: nn.Module, p: nn.Parameter) -> bool:
+def _managed_below(root: nn.Module) -> set[int]:
+    """The ids of the sharded parameters that the FSDP units strictly below ``root`` manage: collected once per
+    call (asking per parameter walked every module for each of them, quadratic in the model's size)."""
+    ids = set()
     for sub in root.modules():
         state = getattr(sub, "_fsdp_state", None)
-        group = state.group if state is not None and sub is not root else None
-        if group is not None and any(fp.sharded is p for fp in group.params):
-            return True
-    return False
+        if sub is not root and state is not None and state.group is not None:
+            ids.update(id(fp.sharded) for fp in state.group.params)
+    return ids
 
 
 _FSDP_CLASSES: dict[type, type] = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import json
 import os
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from lightning_shard.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner, check_files, verify_file
 from lightning_shard.checkpoint.save_load import _read_error, check_checkpoint_dir
@@ -62,9 +63,13 @@ class _Reader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.reader = SafeFileSystemReader(path)  # one reader for every key: it parses the metadata once
-        self.metadata: Metadata = self.reader.read_metadata()
+        reader = SafeFileSystemReader(path)
+        self.marker = reader.marker
+        self.metadata: Metadata = reader.read_metadata()
         check_files(path, self.metadata)  # a missing or truncated file is named before anything is written
+        self._chunks: dict[str, dict] = collections.defaultdict(dict)  # key -> its saved chunks (storage_data)
+        for index, info in (self.metadata.storage_data or {}).items():
+            self._chunks[index.fqn][index] = info
 
     def tensor(self, key: str) -> torch.Tensor:
         md = self.metadata.state_dict_metadata[key]
@@ -86,7 +91,7 @@ class _Reader:
         try:
             dcp.load(
                 state,
-                storage_reader=self.reader,
+                storage_reader=SafeFileSystemReader(self.path, marker=self.marker, metadata=self._metadata_of(state)),
                 planner=SafeLoadPlanner(allow_partial_load=True),
                 no_dist=True,
             )
@@ -94,6 +99,18 @@ class _Reader:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             raise _read_error(e, self.path) from (e if isinstance(e, Exception) else None)
+
+    def _metadata_of(self, keys) -> Metadata:
+        """The index restricted to ``keys``: each load then costs the size of its keys, not of the whole index
+        (DCP's planner builds the set of the index's keys on every load: quadratic over one load per key)."""
+        planner_data = self.metadata.planner_data
+        return dataclasses.replace(
+            self.metadata,
+            state_dict_metadata={k: self.metadata.state_dict_metadata[k] for k in keys},
+            storage_data={i: info for k in keys for i, info in self._chunks[k].items()},
+            planner_data={k: planner_data[k] for k in keys if k in planner_data} if planner_data else planner_data,
+            storage_meta=StorageMeta(),
+        )
 
     def path_of(self, key: str) -> tuple:
         return tuple(self.metadata.planner_data.get(key, (key,)))
@@ -313,7 +330,7 @@ def consolidate(
         if safetensors:
             _write_safetensors(reader, tmp)
         else:
-            meta = _lightning_meta(sharded_dir, reader.reader.marker)
+            meta = _lightning_meta(sharded_dir, reader.marker)
             _write_torch(reader, list(reader.metadata.state_dict_metadata), tmp, meta)
         os.replace(tmp, out_file)
     finally:

@@ -147,11 +147,20 @@ class SafeFileSystemReader(FileSystemReader):
     ``read_metadata`` uses the restricted unpickler; ``read_data`` names the file and entry of a truncated or
     unreadable entry and, for checkpoints whose marker records checksums, verifies each entry's digest before
     handing the value on. The metadata is parsed once per reader: a reader used for many ``dcp.load`` calls
-    (consolidation loads one key at a time) would otherwise unpickle the whole index once per key. Example:
+    (consolidation loads one key at a time) would otherwise unpickle the whole index once per key; ``metadata=``
+    hands it one parsed already (consolidation hands each load the index's entries of its key alone: torch's
+    planner compares every key of the index with the keys asked for on each load). Example:
     ``SafeFileSystemReader(path)``.
     """
 
-    def __init__(self, path: str | os.PathLike, *args: Any, marker: Any = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *args: Any,
+        marker: Any = False,
+        metadata: Metadata | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(path, *args, **kwargs)
         # ``marker``: the directory's marker if the caller read it already (False: read it here)
         self.marker = read_marker(os.fspath(path)) if marker is False else marker
@@ -159,6 +168,8 @@ class SafeFileSystemReader(FileSystemReader):
         self.algorithm: str | None = sums.get("algorithm")
         self.digests: dict[str, str] = sums.get("entries") or {}
         self._metadata: dict[tuple[str, Any], Metadata] = {}  # per (path, ``rank`` argument): what was parsed
+        if metadata is not None:  # the caller parsed (and checked) it already, or serves a part of it
+            self._metadata[(os.fspath(self.path), None)] = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

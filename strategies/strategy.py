@@ -64,7 +64,18 @@ from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from numba_kernels import warm_kernels
-from strategies import auto, batch_counts, collectives, finetuning, loading, nodes, parallelize, requeue, unsupported
+from strategies import (
+    agreement,
+    auto,
+    batch_counts,
+    collectives,
+    finetuning,
+    loading,
+    nodes,
+    parallelize,
+    requeue,
+    unsupported,
+)
 from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
@@ -238,6 +249,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # after a checkpoint had the chance to fill them
         self._unset_after_materialize: list[str] | None = None
         self._rng_resync_reported = False  # the per-step RNG sync logs its first resync only
+        self._agreement_due = False  # the ranks compare optimizers and settings at a fit's first training step
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -320,6 +332,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        # before the mesh: ranks that build meshes of other shapes pair up the wrong subgroups
+        agreement.check_ranks_agree({"strategy arguments": self._argument_entries()}, when="about the strategy")
         self._device_mesh = self._build_mesh()
         self.lightning_module._device_mesh = self._device_mesh
         unsupported.warn_throughput_under_tp(self.lightning_module, self._device_mesh.size("tensor_parallel"))
@@ -327,6 +341,26 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # first step nor the memory around the model pays for them (docs/strategy.md).
         warm_kernels(self.root_device)
         load_rules()
+
+    def _argument_entries(self) -> dict[str, str]:
+        """The strategy's arguments as asked (``"auto"`` before the planner decides), for ``agreement``; the
+        planner's own inputs are left out: rank 0's planner decides for every rank."""
+        asked = {
+            "data_parallel_size": self._data_parallel_size,
+            "tensor_parallel_size": self._tensor_parallel_size,
+            "fsdp_unit": self.fsdp_unit,
+            "tp_plan": self.tp_plan,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+            "sharding_strategy": self.sharding_strategy,
+            **self._auto_request,
+            "state_dict_type": self.state_dict_type,
+            "compile_fsdp_units": self.compile_fsdp_units,
+            "precision": self.precision_plugin.precision,
+            "num_nodes": self.num_nodes,
+            "devices": self.num_processes,
+        }
+        return {name: agreement.describe_choice(value) for name, value in asked.items()}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -527,13 +561,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         model = self.model
-        if getattr(model, "_shard_fsdp_tp_done", False):
-            pass  # parallelized by this strategy in an earlier Trainer call (e.g. validate, then fit)
-        elif parallelize.is_parallelized(model):
-            rank_zero_info("shard_fsdp_tp: the model is already parallelized in configure_model; left as it is")
-        else:
-            self._parallelize(model)
-            model._shard_fsdp_tp_done = True
+        if not getattr(model, "_shard_fsdp_tp_done", False):  # else parallelized by an earlier Trainer call
+            self._check_model_agrees(model)
+            if parallelize.is_parallelized(model):
+                rank_zero_info("shard_fsdp_tp: the model is already parallelized in configure_model; left as it is")
+            else:
+                self._parallelize(model)
+                model._shard_fsdp_tp_done = True
         unsupported.refuse_exports(model)
         wrap_peft_methods(model)
         self.model = model
@@ -544,6 +578,28 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             # before Lightning registers its signal handlers: SIGUSR1's save must not run wherever a rank happens to be
             self._requeue = requeue.DeferredRequeue.install(trainer)
         self.setup_precision_plugin()
+
+    def _check_model_agrees(self, model: nn.Module) -> None:
+        """Raise on every rank unless every rank built the same parameters and buffers (names, order, shapes,
+        dtypes, ``requires_grad``), before the broadcast and ``fully_shard`` pair them up by position."""
+        sections = {"parameters": agreement.parameter_entries(model), "buffers": agreement.buffer_entries(model)}
+        agreement.check_ranks_agree(sections, when="about the model (before it is sharded)")
+
+    def _check_training_agrees(self) -> None:
+        """At a fit's first training step (after ``configure_optimizers`` and the callbacks' ``on_fit_start`` /
+        ``on_train_start`` / ``on_train_epoch_start``, which may freeze parameters or change settings): raise on
+        every rank unless the optimizers, the trainable parameters and the Trainer's loop settings agree."""
+        if not self._agreement_due:
+            return
+        self._agreement_due = False
+        trainer = self.lightning_module.trainer
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        sections = {
+            "Trainer settings": agreement.trainer_entries(trainer),
+            "optimizers": agreement.optimizer_entries(self.model, self.optimizers, schedulers),
+            "trainable parameters": agreement.trainable_entries(self.model),
+        }
+        agreement.check_ranks_agree(sections, when="at the first training step")
 
     def _sync_metrics_over_data_parallel(self) -> None:
         """Under TP, torchmetrics metrics without a ``process_group`` of their own synchronise over the
@@ -658,6 +714,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         args, kwargs = self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
+        self._check_training_agrees()
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with (
             resharded_on_exception(self.model),
@@ -728,6 +785,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._agreement_due = True  # checked at the first training step, after the epoch-start hooks
         self._sync_metrics_over_data_parallel()
         finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
 

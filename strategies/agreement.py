@@ -1,0 +1,219 @@
+"""Check that the ranks agree on what must be the same everywhere: the strategy's arguments, the model's
+structure, the optimizers and the fit's loop settings.
+
+A multi-node job can start ranks that do not agree: a stale checkout on one node, a ``configure_model`` that
+branches on the rank or an environment variable, a per-node config file. Nothing in FSDP or TP pairs tensors by
+name: the broadcast of rank 0's values, the meshes' groups and every all-gather and reduce-scatter pair up by
+call order and size. Ranks that disagree then hang, crash in the backend with a message naming no parameter,
+or (same sizes, another layout or another learning rate) train a model no single configuration describes.
+
+Each check describes what must agree as sections of ``{key: value}`` strings, gathers one short digest per
+section (one small all-gather of the default group), and when a digest differs gathers the sections whole (only
+on that path) to name the keys that differ, the ranks holding each value and the fix; every rank raises the same
+``RanksDisagreeError`` before any collective that depends on the difference.
+
+Example::
+
+    check_ranks_agree({"parameters": parameter_entries(model)}, when="before the model is sharded")
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_shard import comm
+
+__all__ = [
+    "RanksDisagreeError",
+    "buffer_entries",
+    "check_ranks_agree",
+    "describe_choice",
+    "optimizer_entries",
+    "parameter_entries",
+]
+
+Sections = dict[str, dict[str, str]]
+
+# Per section: what to do about a difference there.
+FIXES = {
+    "strategy arguments": "pass the same ShardFSDPTPStrategy arguments on every rank (per-node config files, command "
+    "lines and environment variables feed them)",
+    "Trainer settings": "pass the same Trainer arguments on every rank (per-node config files, command lines)",
+    "parameters": "build the same model on every rank: __init__ and configure_model must not depend on the rank, the "
+    "node, an environment variable or an unseeded random choice; freeze (requires_grad_) and cast (.half()) "
+    "parameters on every rank alike; run the same code checkout on every node",
+    "buffers": "register the same buffers (names, shapes, dtypes) on every rank",
+    "optimizers": "configure the same optimizers on every rank (type, param groups and hyper-parameters such as lr, "
+    "betas, weight_decay, and the same learning-rate schedulers); under FSDP each rank updates its own shard, so "
+    "ranks with different hyper-parameters train a model no single configuration describes",
+    "trainable parameters": "freeze and unfreeze parameters on every rank alike (a callback that calls "
+    "requires_grad_ under a rank condition, e.g. @rank_zero_only, freezes one rank's shards only)",
+}
+
+
+class RanksDisagreeError(RuntimeError):
+    """The ranks disagree about something that must be the same on every rank; raised on every rank alike."""
+
+
+def check_ranks_agree(sections: Sections, *, when: str, who: str = "shard_fsdp_tp") -> None:
+    """Raise ``RanksDisagreeError`` on every rank unless every rank holds the same ``sections``.
+
+    One all-gather of a 16-character digest per section on the default group; a second one, of the sections
+    themselves, only when a digest differs. A no-op on one rank and on the simulator's fake process group.
+
+    Example: ``check_ranks_agree({"Trainer settings": {"accumulate_grad_batches": "2"}}, when="at setup")``.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1 or not comm.carries_data():
+        return
+    digests = {name: _digest(entries) for name, entries in sections.items()}
+    every = comm.all_gather_objects(digests)
+    if all(d == every[0] for d in every):
+        return
+    differing = [name for name in sections if len({d.get(name) for d in every}) > 1]
+    gathered = comm.all_gather_objects({name: sections[name] for name in differing})
+    lines = [f"{name}: {_differences([g[name] for g in gathered])}; fix: {FIXES.get(name, 'make them equal')}"
+             for name in differing]  # fmt: skip
+    raise RanksDisagreeError(
+        f"{who}: the ranks disagree {when}, so their collectives would pair up tensors of different layouts (a "
+        "hang, a crash in the backend, or training silently wrong).\n" + "\n".join(lines)
+    )
+
+
+def _digest(entries: dict[str, str]) -> str:
+    return hashlib.sha256(repr(list(entries.items())).encode()).hexdigest()[:16]
+
+
+def _differences(per_rank: list[dict[str, str]], shown: int = 4) -> str:
+    """The keys whose values differ (a missing key counts as ``<absent>``), each with the ranks per value; or,
+    when every key agrees, the first position where the order differs."""
+    keys = list(dict.fromkeys(k for entries in per_rank for k in entries))
+    unequal = [k for k in keys if len({entries.get(k, "<absent>") for entries in per_rank}) > 1]
+    if not unequal:
+        orders = [list(entries) for entries in per_rank]
+        i = next(i for i in range(len(keys)) if len({tuple(o[i : i + 1]) for o in orders}) > 1)
+        return f"the same entries in another order; at position {i}: " + _by_value(
+            [repr(o[i]) if i < len(o) else "<end>" for o in orders]
+        )
+    described = [f"{k!r}: " + _by_value([entries.get(k, "<absent>") for entries in per_rank]) for k in unequal]
+    more = f" and {len(unequal) - shown} more" if len(unequal) > shown else ""
+    return "; ".join(described[:shown]) + more
+
+
+def _by_value(values: list[str]) -> str:
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(value, []).append(rank)
+    return ", ".join(f"{value} on {_ranks(r)}" for value, r in ranks.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 6:
+        return f"ranks {ranks[:3]}... ({len(ranks)} ranks)"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _tensor(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def parameter_entries(model: nn.Module, *, with_requires_grad: bool = True) -> dict[str, str]:
+    """Every parameter in registration order (tied ones under each name): shape, dtype and whether it trains."""
+    return {
+        name: _tensor(p) + (f" requires_grad={p.requires_grad}" if with_requires_grad else "")
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def trainable_entries(model: nn.Module) -> dict[str, str]:
+    """Whether each parameter trains, by name."""
+    return {name: str(p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def buffer_entries(model: nn.Module) -> dict[str, str]:
+    """Every buffer in registration order: shape and dtype."""
+    return {name: _tensor(b) for name, b in model.named_buffers(remove_duplicate=False)}
+
+
+def optimizer_entries(model: nn.Module, optimizers: Iterable[Any], schedulers: Iterable[Any] = ()) -> dict[str, str]:
+    """Each optimizer's type and, per param group, its parameters (by name) and hyper-parameters; each
+    learning-rate scheduler's type and numeric settings."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for i, optimizer in enumerate(optimizers):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        out[f"optimizer {i}"] = type(optimizer).__qualname__
+        for j, group in enumerate(optimizer.param_groups):
+            params = [names.get(id(p), "<not in the model>") for p in group["params"]]
+            out[f"optimizer {i} group {j} params"] = repr(params)
+            for key, value in sorted(group.items()):
+                if key != "params":
+                    out[f"optimizer {i} group {j} {key}"] = _setting(value)
+    for i, scheduler in enumerate(schedulers):
+        out[f"scheduler {i}"] = type(scheduler).__qualname__
+        for key, value in sorted(_state(scheduler).items()):
+            if isinstance(value, (int, float, str, bool, type(None), list, tuple)):
+                out[f"scheduler {i} {key}"] = _setting(value)
+    return out
+
+
+def _state(scheduler) -> dict:
+    try:
+        return scheduler.state_dict()
+    except Exception:  # noqa: BLE001 - a scheduler of the user's without a state dict: its type is compared
+        return {}
+
+
+def _setting(value: Any) -> str:
+    """A hyper-parameter as text; a tensor (a capturable Adam's ``lr``) by its values."""
+    if isinstance(value, torch.Tensor):
+        return repr(value.detach().cpu().tolist())
+    if isinstance(value, (list, tuple)):
+        return repr([_setting(v) for v in value])
+    return repr(value)
+
+
+def describe_choice(choice: Any) -> str:
+    """A strategy argument as text that is the same on every rank for the same choice: classes and functions
+    by qualified name (a ``repr`` would hold their address), sets sorted, plans by module name and style."""
+    if isinstance(choice, type) or isinstance(choice, Callable) and hasattr(choice, "__qualname__"):
+        return f"{getattr(choice, '__module__', '')}.{choice.__qualname__}"
+    if isinstance(choice, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(sorted(describe_choice(c) for c in choice)) + "}"
+    if isinstance(choice, dict):
+        return "{" + ", ".join(f"{k!r}: {describe_choice(v)}" for k, v in sorted(choice.items(), key=str)) + "}"
+    if isinstance(choice, (str, int, float, bool, type(None))):
+        return repr(choice)
+    fields = getattr(choice, "__dict__", None)
+    if fields is not None:  # a parallel style: its class and settings
+        return f"{type(choice).__qualname__}({describe_choice({k: v for k, v in fields.items()})})"
+    return type(choice).__qualname__
+
+
+# The Trainer settings that change what the ranks compute together: an optimizer step taken on some ranks only,
+# a gradient clipped on some ranks only (its norm is an all-reduce), a loop that runs more steps or validates at
+# other times on some ranks.
+TRAINER_SETTINGS = (
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "max_epochs",
+    "max_steps",
+    "min_epochs",
+    "min_steps",
+    "limit_train_batches",
+    "limit_val_batches",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+)
+
+
+def trainer_entries(trainer: Any) -> dict[str, str]:
+    """The ``TRAINER_SETTINGS`` as the Trainer holds them now (a callback may have changed them since
+    ``Trainer(...)``, e.g. ``GradientAccumulationScheduler``)."""
+    return {name: repr(getattr(trainer, name, None)) for name in TRAINER_SETTINGS}

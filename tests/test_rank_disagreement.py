@@ -1,0 +1,167 @@
+"""Ranks that disagree about the model or the run (``strategies.agreement``, docs/strategy.md "Ranks that must
+agree"), simulated per rank with ``dist.get_rank()`` inside the test body, as a stale checkout on one node, a
+``configure_model`` that branches on the rank, or a per-node config file would make them:
+
+* the model's structure (an extra parameter, another shape, another dtype, ``requires_grad`` on one rank, the same
+  parameters registered in another order, another buffer): before the check, the broadcast of rank 0's values and
+  the FSDP all-gathers paired tensors by position; every case hung;
+* the strategy's arguments (``tensor_parallel_size``, ``fsdp_unit``, ``sharding_strategy``): meshes and units of
+  other shapes;
+* the fit: the optimizer's hyper-parameters and param groups, ``accumulate_grad_batches``, ``gradient_clip_val``,
+  and parameters frozen by a callback on one rank only;
+
+each raises a ``RanksDisagreeError`` on every rank, naming what differs and on which ranks. Ranks that agree,
+with what may differ per rank (the planner's memory budget), train as one process does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+import strategies
+from lightning_shard import comm
+from strategies.agreement import RanksDisagreeError
+from tests.harness import distributed
+from tests.lightning_models import LitGPT, reference_params
+from tests.test_strategy import _trainer
+
+
+def _other_model(case: str) -> nn.Module:
+    """TinyGPT as rank 1 might build it when its code or config differs from rank 0's."""
+    module = LitGPT().model
+    if case == "extra parameter":
+        module.extra = nn.Linear(4, 4)
+    elif case == "other shape":
+        module.blocks[0].up, module.blocks[0].down = nn.Linear(16, 32), nn.Linear(32, 16)
+    elif case == "trains on one rank":
+        module.frozen.requires_grad_(True)
+    elif case == "other dtype":
+        module.blocks[1].half()
+    elif case == "other order":  # the same parameters, registered down-then-up: flat buffers laid out apart
+        block = module.blocks[0]
+        up, down = block.up, block.down
+        del block.up, block.down
+        block.down, block.up = down, up
+    elif case == "other buffer":
+        module.scale = torch.tensor([0.5, 0.5])
+    return module
+
+
+MODEL_CASES = {
+    "extra parameter": r"parameters: 'model\.extra\.weight': <absent> on rank 0, \(4, 4\) float32 requires_grad="
+    r"True on rank 1; 'model\.extra\.bias'",
+    "other shape": r"'model\.blocks\.0\.up\.weight': \(48, 16\) float32 requires_grad=True on rank 0, \(32, 16\) "
+    r"float32 requires_grad=True on rank 1",
+    "trains on one rank": r"'model\.frozen\.weight': \(16, 16\) float32 requires_grad=False on rank 0, \(16, 16\) "
+    r"float32 requires_grad=True on rank 1",
+    "other dtype": r"'model\.blocks\.1\.norm\.weight': \(16,\) float32 requires_grad=True on rank 0, \(16,\) "
+    r"float16",
+    "other order": r"the same entries in another order; at position 5: 'model\.blocks\.0\.up\.weight' on rank 0, "
+    r"'model\.blocks\.0\.down\.weight' on rank 1",
+    "other buffer": r"buffers: 'model\.scale': \(1,\) float32 on rank 0, \(2,\) float32 on rank 1",
+}
+
+
+@distributed(world_size=2)
+def test_models_that_differ_raise_on_every_rank_before_sharding():
+    for case, expected in MODEL_CASES.items():
+        module = LitGPT()
+        if dist.get_rank() == 1:
+            module.model = _other_model(case)
+        with pytest.raises(RanksDisagreeError, match=r"disagree about the model \(before it is sharded\)") as error:
+            _trainer(max_steps=1).fit(module)
+        _matches(expected, str(error.value))
+        assert "build the same model on every rank" in str(error.value) or "same buffers" in str(error.value)
+
+
+def _matches(pattern: str, text: str) -> bool:
+    import re
+
+    assert re.search(pattern, text), f"{pattern!r} not in {text!r}"
+    return True
+
+
+@distributed(world_size=2)
+def test_strategy_arguments_that_differ_raise_before_the_mesh():
+    rank = dist.get_rank()
+    cases = [
+        (dict(tensor_parallel_size=2 if rank == 0 else 1), r"'tensor_parallel_size': 2 on rank 0, 1 on rank 1"),
+        (dict(fsdp_unit="auto" if rank == 0 else {nn.Linear}), r"'fsdp_unit': 'auto' on rank 0, \{torch\.nn\."),
+        (
+            dict(sharding_strategy="FULL_SHARD" if rank == 0 else "SHARD_GRAD_OP"),
+            r"'sharding_strategy': 'FULL_SHARD' on rank 0, 'SHARD_GRAD_OP' on rank 1; 'reshard_after_forward': "
+            r"True on rank 0, False on rank 1",
+        ),
+    ]
+    for kwargs, expected in cases:
+        with pytest.raises(RanksDisagreeError, match=r"disagree about the strategy") as error:
+            _trainer(strategy=strategies.ShardFSDPTPStrategy(**kwargs), max_steps=1).fit(LitGPT())
+        _matches("strategy arguments: " + expected, str(error.value))
+
+
+class _FreezeOnRankOne(Callback):
+    """What a callback under a rank condition (``@rank_zero_only`` on the other side) does."""
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == 1:
+            pl_module.model.blocks[1].requires_grad_(False)
+
+
+class _Lr(LitGPT):
+    def __init__(self, lr: float, weight_decay: float = 0.0) -> None:
+        super().__init__(lr=lr)
+        self.weight_decay = weight_decay
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+@distributed(world_size=2)
+def test_training_settings_that_differ_raise_at_the_first_step():
+    rank = dist.get_rank()
+    cases = [
+        (_Lr(0.1 if rank == 0 else 0.2), {}, r"optimizers: 'optimizer 0 group 0 lr': 0\.1 on rank 0, 0\.2 on rank 1"),
+        (_Lr(0.1, 0.01 * rank), {}, r"'optimizer 0 group 0 weight_decay': 0\.0 on rank 0, 0\.01 on rank 1"),
+        (LitGPT(), dict(accumulate_grad_batches=2 + rank), r"'accumulate_grad_batches': 2 on rank 0, 3 on rank 1"),
+        (LitGPT(), dict(gradient_clip_val=None if rank else 1.0), r"'gradient_clip_val': 1\.0 on rank 0, None on"),
+        (
+            LitGPT(),
+            dict(callbacks=[_FreezeOnRankOne()]),
+            r"trainable parameters: 'model\.blocks\.1\.norm\.weight': True on rank 0, False on rank 1",
+        ),
+    ]
+    for module, kwargs, expected in cases:
+        with pytest.raises(RanksDisagreeError, match=r"disagree at the first training step") as error:
+            _trainer(max_steps=2, **kwargs).fit(module)
+        _matches(expected, str(error.value))
+
+
+@distributed(world_size=2)
+def test_agreeing_ranks_train_like_one_process_with_one_small_gather_per_check():
+    from unittest import mock
+
+    from strategies import agreement
+
+    gathers: list[int] = []
+
+    def counted(*args, **kwargs):
+        with comm.count_collectives() as counts:
+            agreement_check(*args, **kwargs)
+        gathers.append(sum(counts.calls.values()))
+
+    agreement_check = agreement.check_ranks_agree
+    # may differ per rank: the planner's budget (rank 0's planner decides for all); fsdp_unit as a set of classes
+    strategy = strategies.ShardFSDPTPStrategy(
+        fsdp_unit={type(LitGPT().model.blocks[0])}, planner_device_memory=f"{1 + dist.get_rank()}GiB"
+    )
+    module = LitGPT()
+    with mock.patch.object(agreement, "check_ranks_agree", counted):
+        _trainer(strategy=strategy, max_steps=3).fit(module)
+    ref = reference_params(3)
+    ours = {n.removeprefix("model."): p.full_tensor() for n, p in module.named_parameters()}
+    assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-5
+    assert gathers == [1, 1, 1]  # the strategy, the model, the first step; none in later steps

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -140,16 +140,18 @@ def buffer_entries(model: nn.Module) -> dict[str, str]:
     return {name: _tensor(b) for name, b in model.named_buffers(remove_duplicate=False)}
 
 
-def optimizer_entries(model: nn.Module, optimizers: Iterable[Any], schedulers: Iterable[Any] = ()) -> dict[str, str]:
-    """Each optimizer's type and, per param group, its parameters (by name) and hyper-parameters; each
-    learning-rate scheduler's type and numeric settings."""
-    names = {id(p): name for name, p in model.named_parameters()}
+def optimizer_entries(
+    model: nn.Module | None, optimizers: Iterable[Any], schedulers: Iterable[Any] = ()
+) -> dict[str, str]:
+    """Each optimizer's type and, per param group, its parameters (by name in ``model``, else by shape) and
+    hyper-parameters; each learning-rate scheduler's type and settings."""
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     out: dict[str, str] = {}
     for i, optimizer in enumerate(optimizers):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
         out[f"optimizer {i}"] = type(optimizer).__qualname__
         for j, group in enumerate(optimizer.param_groups):
-            params = [names.get(id(p), "<not in the model>") for p in group["params"]]
+            params = [names.get(id(p), _tensor(p)) for p in group["params"]]
             out[f"optimizer {i} group {j} params"] = repr(params)
             for key, value in sorted(group.items()):
                 if key != "params":
@@ -157,8 +159,7 @@ def optimizer_entries(model: nn.Module, optimizers: Iterable[Any], schedulers: I
     for i, scheduler in enumerate(schedulers):
         out[f"scheduler {i}"] = type(scheduler).__qualname__
         for key, value in sorted(_state(scheduler).items()):
-            if isinstance(value, (int, float, str, bool, type(None), list, tuple)):
-                out[f"scheduler {i} {key}"] = _setting(value)
+            out[f"scheduler {i} {key}"] = _setting(value)
     return out
 
 
@@ -170,29 +171,41 @@ def _state(scheduler) -> dict:
 
 
 def _setting(value: Any) -> str:
-    """A hyper-parameter as text; a tensor (a capturable Adam's ``lr``) by its values."""
+    """A hyper-parameter as text that is the same on every rank for the same value: a tensor (a capturable Adam's
+    ``lr``) by its values, containers entry by entry, other objects (a function a scheduler holds) by type only
+    (their ``repr`` may hold an address)."""
     if isinstance(value, torch.Tensor):
         return repr(value.detach().cpu().tolist())
     if isinstance(value, (list, tuple)):
-        return repr([_setting(v) for v in value])
-    return repr(value)
+        return "[" + ", ".join(_setting(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_setting(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return repr(value)
+    return f"<{type(value).__qualname__}>"
 
 
-def describe_choice(choice: Any) -> str:
+def describe_choice(choice: Any, depth: int = 0) -> str:
     """A strategy argument as text that is the same on every rank for the same choice: classes and functions
     by qualified name (a ``repr`` would hold their address), sets sorted, plans by module name and style."""
-    if isinstance(choice, type) or isinstance(choice, Callable) and hasattr(choice, "__qualname__"):
-        return f"{getattr(choice, '__module__', '')}.{choice.__qualname__}"
-    if isinstance(choice, (set, frozenset, list, tuple)):
-        return "{" + ", ".join(sorted(describe_choice(c) for c in choice)) + "}"
-    if isinstance(choice, dict):
-        return "{" + ", ".join(f"{k!r}: {describe_choice(v)}" for k, v in sorted(choice.items(), key=str)) + "}"
     if isinstance(choice, (str, int, float, bool, type(None))):
         return repr(choice)
+    if isinstance(choice, type) or (callable(choice) and hasattr(choice, "__qualname__")):
+        return f"{getattr(choice, '__module__', '')}.{choice.__qualname__}"
+    if depth > 6:  # deep enough to tell plans apart; a cycle stops here
+        return type(choice).__qualname__
+    if isinstance(choice, (set, frozenset)):
+        return "{" + ", ".join(sorted(describe_choice(c, depth + 1) for c in choice)) + "}"
+    if isinstance(choice, (list, tuple)):
+        return "[" + ", ".join(describe_choice(c, depth + 1) for c in choice) + "]"
+    if isinstance(choice, dict):
+        items = sorted(choice.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{k!r}: {describe_choice(v, depth + 1)}" for k, v in items) + "}"
     fields = getattr(choice, "__dict__", None)
-    if fields is not None:  # a parallel style: its class and settings
-        return f"{type(choice).__qualname__}({describe_choice({k: v for k, v in fields.items()})})"
-    return type(choice).__qualname__
+    if fields:  # a parallel style: its class and settings
+        return f"{type(choice).__qualname__}({describe_choice(dict(fields), depth + 1)})"
+    text = repr(choice)  # a placement (Shard(dim=0)); an object whose repr is its address by type only
+    return type(choice).__qualname__ if " at 0x" in text else text
 
 
 # The Trainer settings that change what the ranks compute together: an optimizer step taken on some ranks only,

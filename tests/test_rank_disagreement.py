@@ -165,3 +165,26 @@ def test_agreeing_ranks_train_like_one_process_with_one_small_gather_per_check()
     ours = {n.removeprefix("model."): p.full_tensor() for n, p in module.named_parameters()}
     assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-5
     assert gathers == [1, 1, 1]  # the strategy, the model, the first step; none in later steps
+
+
+@distributed(world_size=2)
+def test_fabric_checks_the_arguments_the_model_and_the_optimizers():
+    import lightning as L
+
+    rank = dist.get_rank()
+
+    def fabric(**kwargs) -> L.Fabric:
+        strategy = strategies.ShardFSDPTPFabricStrategy(**kwargs)
+        f = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+        f.launch()
+        return f
+
+    with pytest.raises(RanksDisagreeError, match=r"'tensor_parallel_size': 1 on rank 0, 2 on rank 1"):
+        fabric(tensor_parallel_size=1 + rank)
+    f = fabric()
+    with pytest.raises(RanksDisagreeError, match=r"'extra\.weight': <absent> on rank 0"):
+        f.setup_module(_other_model("extra parameter") if rank else LitGPT().model)
+    model = LitGPT().model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 - 0.4 * rank)
+    with pytest.raises(RanksDisagreeError, match=r"'optimizer 0 group 0 momentum': 0\.9 on rank 0, 0\.5 on rank 1"):
+        f.setup(model, optimizer)

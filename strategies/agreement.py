@@ -7,10 +7,9 @@ name: the broadcast of rank 0's values, the meshes' groups and every all-gather 
 call order and size. Ranks that disagree then hang, crash in the backend with a message naming no parameter,
 or (same sizes, another layout or another learning rate) train a model no single configuration describes.
 
-Each check describes what must agree as sections of ``{key: value}`` strings, gathers one short digest per
-section (one small all-gather of the default group), and when a digest differs gathers the sections whole (only
-on that path) to name the keys that differ, the ranks holding each value and the fix; every rank raises the same
-``RanksDisagreeError`` before any collective that depends on the difference.
+This module says what is compared and the fix for each section; ``lightning_shard.agreement`` compares (one
+small all-gather of digests per check) and raises the same ``RanksDisagreeError`` on every rank, before any
+collective that depends on the difference.
 
 Example::
 
@@ -19,15 +18,14 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_shard import comm
+from lightning_shard import agreement
+from lightning_shard.agreement import RanksDisagreeError
 
 __all__ = [
     "RanksDisagreeError",
@@ -36,9 +34,9 @@ __all__ = [
     "describe_choice",
     "optimizer_entries",
     "parameter_entries",
+    "trainable_entries",
+    "trainer_entries",
 ]
-
-Sections = dict[str, dict[str, str]]
 
 # Per section: what to do about a difference there.
 FIXES = {
@@ -57,65 +55,12 @@ FIXES = {
 }
 
 
-class RanksDisagreeError(RuntimeError):
-    """The ranks disagree about something that must be the same on every rank; raised on every rank alike."""
+def check_ranks_agree(sections: dict[str, dict[str, str]], *, when: str, who: str = "shard_fsdp_tp") -> None:
+    """``lightning_shard.agreement.check_ranks_agree`` over every rank, with the strategy's fixes per section.
 
-
-def check_ranks_agree(sections: Sections, *, when: str, who: str = "shard_fsdp_tp") -> None:
-    """Raise ``RanksDisagreeError`` on every rank unless every rank holds the same ``sections``.
-
-    One all-gather of a 16-character digest per section on the default group; a second one, of the sections
-    themselves, only when a digest differs. A no-op on one rank and on the simulator's fake process group.
-
-    Example: ``check_ranks_agree({"Trainer settings": {"accumulate_grad_batches": "2"}}, when="at setup")``.
+    Example: ``check_ranks_agree({"Trainer settings": trainer_entries(trainer)}, when="at the first step")``.
     """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1 or not comm.carries_data():
-        return
-    digests = {name: _digest(entries) for name, entries in sections.items()}
-    every = comm.all_gather_objects(digests)
-    if all(d == every[0] for d in every):
-        return
-    differing = [name for name in sections if len({d.get(name) for d in every}) > 1]
-    gathered = comm.all_gather_objects({name: sections[name] for name in differing})
-    lines = [f"{name}: {_differences([g[name] for g in gathered])}; fix: {FIXES.get(name, 'make them equal')}"
-             for name in differing]  # fmt: skip
-    raise RanksDisagreeError(
-        f"{who}: the ranks disagree {when}, so their collectives would pair up tensors of different layouts (a "
-        "hang, a crash in the backend, or training silently wrong).\n" + "\n".join(lines)
-    )
-
-
-def _digest(entries: dict[str, str]) -> str:
-    return hashlib.sha256(repr(list(entries.items())).encode()).hexdigest()[:16]
-
-
-def _differences(per_rank: list[dict[str, str]], shown: int = 4) -> str:
-    """The keys whose values differ (a missing key counts as ``<absent>``), each with the ranks per value; or,
-    when every key agrees, the first position where the order differs."""
-    keys = list(dict.fromkeys(k for entries in per_rank for k in entries))
-    unequal = [k for k in keys if len({entries.get(k, "<absent>") for entries in per_rank}) > 1]
-    if not unequal:
-        orders = [list(entries) for entries in per_rank]
-        i = next(i for i in range(len(keys)) if len({tuple(o[i : i + 1]) for o in orders}) > 1)
-        return f"the same entries in another order; at position {i}: " + _by_value(
-            [repr(o[i]) if i < len(o) else "<end>" for o in orders]
-        )
-    described = [f"{k!r}: " + _by_value([entries.get(k, "<absent>") for entries in per_rank]) for k in unequal]
-    more = f" and {len(unequal) - shown} more" if len(unequal) > shown else ""
-    return "; ".join(described[:shown]) + more
-
-
-def _by_value(values: list[str]) -> str:
-    ranks: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        ranks.setdefault(value, []).append(rank)
-    return ", ".join(f"{value} on {_ranks(r)}" for value, r in ranks.items())
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) > 6:
-        return f"ranks {ranks[:3]}... ({len(ranks)} ranks)"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    agreement.check_ranks_agree(sections, when=when, fixes=FIXES, who=who)
 
 
 def _tensor(t: torch.Tensor) -> str:

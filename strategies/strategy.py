@@ -654,6 +654,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
+        model._fsdp_state.agreement_checked = True  # compared before sharding (_check_model_agrees)
         if summary["tp_plan"] is not None:
             tp_mesh = self.device_mesh["tensor_parallel"]
             summary["attention_weights_gathered"] = gather_attention_weights(model, summary["tp_plan"], tp_mesh)

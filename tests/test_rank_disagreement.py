@@ -188,3 +188,65 @@ def test_fabric_checks_the_arguments_the_model_and_the_optimizers():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 - 0.4 * rank)
     with pytest.raises(RanksDisagreeError, match=r"'optimizer 0 group 0 momentum': 0\.9 on rank 0, 0\.5 on rank 1"):
         f.setup(model, optimizer)
+
+
+def _engine_model(case: str) -> nn.Module:
+    from tests.fsdp_models import make_model
+
+    model = make_model()
+    if dist.get_rank() == 1:
+        if case == "other order":
+            block = model.blocks[0]
+            up, down = block.up, block.down
+            del block.up, block.down
+            block.down, block.up = down, up
+        elif case == "frozen on one rank":
+            model.blocks[1].up.requires_grad_(False)
+        elif case == "extra parameter":
+            model.extra = nn.Linear(4, 4)
+    return model
+
+
+def _engine_shard(model: nn.Module) -> nn.Module:
+    from lightning_shard import init_device_mesh
+    from lightning_shard.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("data_parallel",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+ENGINE_CASES = {
+    "other order": r"'blocks\.0 \(FSDPBlock\)': \['norm\.weight .*'up\.weight \(48, 16\).* on rank 0, \['norm\.weight"
+    r".*'down\.weight \(16, 48\)",
+    "frozen on one rank": r"'blocks\.1 \(FSDPBlock\)'.*up\.weight \(48, 16\) float32 requires_grad=True.* on rank 0"
+    r".*requires_grad=False",
+    "extra parameter": r"'root \(FSDPTinyGPT\)'",
+}
+
+
+@distributed(world_size=2)
+def test_fully_shard_checks_the_units_at_the_first_forward():
+    from tests.fsdp_models import batches, loss_fn, make_model, make_optimizer, train_reference
+
+    for case, expected in ENGINE_CASES.items():
+        model = _engine_shard(_engine_model(case))
+        x, y = batches(1, 4)[0]
+        with pytest.raises(RanksDisagreeError, match=r"fully_shard: the ranks disagree about the FSDP units") as error:
+            loss_fn(model, x, y)
+        _matches("FSDP units: " + expected, str(error.value))
+    # ranks that agree: one gather at the first forward, none after; trains like one process
+    data = batches(3, 4)
+    ref, _ = train_reference(make_model(), data)
+    model = _engine_shard(make_model())
+    optimizer = make_optimizer(model, 0.1, "sgd")
+    with comm.count_collectives() as counts:
+        for x, y in data:
+            rank_batch = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+            loss_fn(model, x[rank_batch], y[rank_batch]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert counts.calls["all_gather_object"] == 1
+    ours = {n: p.full_tensor() for n, p in model.named_parameters()}
+    assert max((ours[n] - p).abs().max().item() for n, p in ref.named_parameters()) < 1e-5

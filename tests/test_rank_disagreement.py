@@ -1,17 +1,19 @@
-"""Ranks that disagree about the model or the run (``strategies.agreement``, docs/strategy.md "Ranks that must
-agree"), simulated per rank with ``dist.get_rank()`` inside the test body, as a stale checkout on one node, a
-``configure_model`` that branches on the rank, or a per-node config file would make them:
+"""Ranks that disagree about the model or the run (``strategies/agreement.py``, ``lightning_shard/agreement.py``,
+docs/strategy.md "Ranks that must agree"), simulated per rank with ``dist.get_rank()`` inside the test body, as a
+stale checkout on one node, a ``configure_model`` that branches on the rank, or a per-node config file would make
+them. Without the checks, through the Trainer (FSDP 2): an extra parameter, another shape, another
+``tensor_parallel_size`` or ``sharding_strategy``, ``gradient_clip_val`` on one rank hung; a block frozen or
+``.half()`` on one rank, the same parameters registered in another order, another ``fsdp_unit`` crashed in gloo (a
+size mismatch naming nothing); a parameter trainable on one rank only, or another ``lr``, trained silently wrong;
+another ``accumulate_grad_batches`` (2 and 1) raised the misleading "ran out of training batches". Fabric built
+meshes of other shapes without an error. ``fully_shard`` alone trained silently wrong on parameters registered in
+another order (ours and torch's FSDP2) or frozen on one rank (ours).
 
-* the model's structure (an extra parameter, another shape, another dtype, ``requires_grad`` on one rank, the same
-  parameters registered in another order, another buffer): before the check, the broadcast of rank 0's values and
-  the FSDP all-gathers paired tensors by position; every case hung;
-* the strategy's arguments (``tensor_parallel_size``, ``fsdp_unit``, ``sharding_strategy``): meshes and units of
-  other shapes;
-* the fit: the optimizer's hyper-parameters and param groups, ``accumulate_grad_batches``, ``gradient_clip_val``,
-  and parameters frozen by a callback on one rank only;
-
-each raises a ``RanksDisagreeError`` on every rank, naming what differs and on which ranks. Ranks that agree,
-with what may differ per rank (the planner's memory budget), train as one process does.
+Each case raises a ``RanksDisagreeError`` on every rank, naming what differs and the ranks holding each
+value: the strategy's arguments before the mesh, the model before sharding, the optimizers, trainable parameters
+and loop settings at the first training step; ``fully_shard``'s units at the root's first forward. Ranks that
+agree (with what may differ per rank: the planner's memory budget) train as one process does, with one small
+all-gather per check.
 """
 
 from __future__ import annotations

@@ -252,3 +252,21 @@ def test_fully_shard_checks_the_units_at_the_first_forward():
     assert counts.calls["all_gather_object"] == 1
     ours = {n: p.full_tensor() for n, p in model.named_parameters()}
     assert max((ours[n] - p).abs().max().item() for n, p in ref.named_parameters()) < 1e-5
+
+
+@distributed(world_size=2)
+def test_tensor_parallel_ranks_that_differ_raise():
+    from tests.tp_models import Llama
+
+    rank = dist.get_rank()
+    module = LitGPT(arch="llama")
+    if rank == 1:
+        torch.manual_seed(0)
+        module.model = Llama(vocab=101, hidden=64)  # a per-node config with another MLP width
+    tp = strategies.ShardFSDPTPStrategy(tensor_parallel_size=2)
+    expected = r"'model\.layers\.0\.feed_forward\.gate_proj\.weight': \(48, 32\) float32 .* on rank 0, \(64, 32\)"
+    with pytest.raises(RanksDisagreeError, match=expected):
+        _trainer(strategy=tp, max_steps=1).fit(module)
+    tp = strategies.ShardFSDPTPStrategy(tensor_parallel_size=2)
+    with pytest.raises(RanksDisagreeError, match=r"'optimizer 0 group 0 lr': 0\.1 on rank 0, 0\.2 on rank 1"):
+        _trainer(strategy=tp, max_steps=1).fit(LitGPT(lr=0.1 * (1 + rank), arch="llama"))

@@ -32,6 +32,7 @@ __all__ = [
     "buffer_entries",
     "check_ranks_agree",
     "describe_choice",
+    "module_entries",
     "optimizer_entries",
     "parameter_entries",
     "trainable_entries",
@@ -47,6 +48,7 @@ FIXES = {
     "node, an environment variable or an unseeded random choice; freeze (requires_grad_) and cast (.half()) "
     "parameters on every rank alike; run the same code checkout on every node",
     "buffers": "register the same buffers (names, shapes, dtypes) on every rank",
+    "modules": "build the model from the same classes on every rank (the same code checkout on every node)",
     "optimizers": "configure the same optimizers on every rank (type, param groups and hyper-parameters such as lr, "
     "betas, weight_decay, and the same learning-rate schedulers); under FSDP each rank updates its own shard, so "
     "ranks with different hyper-parameters train a model no single configuration describes",
@@ -78,6 +80,12 @@ def parameter_entries(model: nn.Module, *, with_requires_grad: bool = True) -> d
 def trainable_entries(model: nn.Module) -> dict[str, str]:
     """Whether each parameter trains, by name."""
     return {name: str(p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def module_entries(model: nn.Module) -> dict[str, str]:
+    """Every module's class by path: a class renamed or replaced on one node (a stale checkout) changes which
+    modules ``fsdp_unit`` and the TP plan pick, and what the forward computes, with the same parameters."""
+    return {name or "<root>": f"{type(m).__module__}.{type(m).__qualname__}" for name, m in model.named_modules()}
 
 
 def buffer_entries(model: nn.Module) -> dict[str, str]:

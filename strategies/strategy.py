@@ -359,6 +359,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             "precision": self.precision_plugin.precision,
             "num_nodes": self.num_nodes,
             "devices": self.num_processes,
+            # Trainer(sync_batchnorm=True): SyncBatchNorm all-reduces in its forward, BatchNorm does not
+            "sync_batchnorm": type(getattr(self, "_layer_sync", None)).__qualname__,
         }
         return {name: agreement.describe_choice(value) for name, value in asked.items()}
 
@@ -581,8 +583,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
 
     def _check_model_agrees(self, model: nn.Module) -> None:
         """Raise on every rank unless every rank built the same parameters and buffers (names, order, shapes,
-        dtypes, ``requires_grad``), before the broadcast and ``fully_shard`` pair them up by position."""
-        sections = {"parameters": agreement.parameter_entries(model), "buffers": agreement.buffer_entries(model)}
+        dtypes, ``requires_grad``) from the same module classes, before the broadcast and ``fully_shard`` pair
+        them up by position."""
+        sections = {
+            "parameters": agreement.parameter_entries(model),
+            "buffers": agreement.buffer_entries(model),
+            "modules": agreement.module_entries(model),
+        }
         agreement.check_ranks_agree(sections, when="about the model (before it is sharded)")
 
     def _check_training_agrees(self) -> None:

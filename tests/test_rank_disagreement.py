@@ -50,6 +50,8 @@ def _other_model(case: str) -> nn.Module:
         block.down, block.up = down, up
     elif case == "other buffer":
         module.scale = torch.tensor([0.5, 0.5])
+    elif case == "other class":  # the same parameters from a class another checkout names differently
+        module.blocks[1].__class__ = type("PatchedBlock", (type(module.blocks[1]),), {})
     return module
 
 
@@ -65,6 +67,8 @@ MODEL_CASES = {
     "other order": r"the same entries in another order; at position 5: 'model\.blocks\.0\.up\.weight' on rank 0, "
     r"'model\.blocks\.0\.down\.weight' on rank 1",
     "other buffer": r"buffers: 'model\.scale': \(1,\) float32 on rank 0, \(2,\) float32 on rank 1",
+    "other class": r"modules: 'model\.blocks\.1': tests\.fsdp_models\.Block on rank 0, tests\.test_rank_disagreement\."
+    r"PatchedBlock on rank 1",
 }
 
 
@@ -77,7 +81,11 @@ def test_models_that_differ_raise_on_every_rank_before_sharding():
         with pytest.raises(RanksDisagreeError, match=r"disagree about the model \(before it is sharded\)") as error:
             _trainer(max_steps=1).fit(module)
         _matches(expected, str(error.value))
-        assert "build the same model on every rank" in str(error.value) or "same buffers" in str(error.value)
+        assert (
+            "fix: build the same model" in str(error.value)
+            or "fix: register the same buffers" in str(error.value)
+            or "fix: build the model from the same classes" in str(error.value)
+        )
 
 
 def _matches(pattern: str, text: str) -> bool:
@@ -103,6 +111,8 @@ def test_strategy_arguments_that_differ_raise_before_the_mesh():
         with pytest.raises(RanksDisagreeError, match=r"disagree about the strategy") as error:
             _trainer(strategy=strategies.ShardFSDPTPStrategy(**kwargs), max_steps=1).fit(LitGPT())
         _matches("strategy arguments: " + expected, str(error.value))
+    with pytest.raises(RanksDisagreeError, match=r"'sync_batchnorm': 'TorchSyncBatchNorm' on rank 0, 'NoneType'"):
+        _trainer(sync_batchnorm=rank == 0, max_steps=1).fit(LitGPT())
 
 
 class _FreezeOnRankOne(Callback):

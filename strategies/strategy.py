@@ -345,9 +345,12 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def _argument_entries(self) -> dict[str, str]:
         """The strategy's arguments as asked (``"auto"`` before the planner decides), for ``agreement``; the
         planner's own inputs are left out: rank 0's planner decides for every rank."""
+        dp, tp = self._data_parallel_size, self._tensor_parallel_size
+        if dp == "auto" and isinstance(tp, int) and self.world_size % tp == 0:
+            dp = self.world_size // tp  # "auto" and the size it stands for build the same mesh
         asked = {
-            "data_parallel_size": self._data_parallel_size,
-            "tensor_parallel_size": self._tensor_parallel_size,
+            "data_parallel_size": dp,
+            "tensor_parallel_size": tp,
             "fsdp_unit": self.fsdp_unit,
             "tp_plan": self.tp_plan,
             "sequence_parallel": self.sequence_parallel,

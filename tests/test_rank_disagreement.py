@@ -99,7 +99,10 @@ def _matches(pattern: str, text: str) -> bool:
 def test_strategy_arguments_that_differ_raise_before_the_mesh():
     rank = dist.get_rank()
     cases = [
-        (dict(tensor_parallel_size=2 if rank == 0 else 1), r"'tensor_parallel_size': 2 on rank 0, 1 on rank 1"),
+        (
+            dict(tensor_parallel_size=2 if rank == 0 else 1),
+            r"'data_parallel_size': 1 on rank 0, 2 on rank 1; 'tensor_parallel_size': 2 on rank 0, 1 on rank 1",
+        ),
         (dict(fsdp_unit="auto" if rank == 0 else {nn.Linear}), r"'fsdp_unit': 'auto' on rank 0, \{torch\.nn\."),
         (
             dict(sharding_strategy="FULL_SHARD" if rank == 0 else "SHARD_GRAD_OP"),
@@ -166,9 +169,12 @@ def test_agreeing_ranks_train_like_one_process_with_one_small_gather_per_check()
         gathers.append(sum(counts.calls.values()))
 
     agreement_check = agreement.check_ranks_agree
-    # may differ per rank: the planner's budget (rank 0's planner decides for all); fsdp_unit as a set of classes
+    # may differ per rank: the planner's budget (rank 0's planner decides for all), data_parallel_size "auto" or the
+    # size it stands for; fsdp_unit as a set of classes
     strategy = strategies.ShardFSDPTPStrategy(
-        fsdp_unit={type(LitGPT().model.blocks[0])}, planner_device_memory=f"{1 + dist.get_rank()}GiB"
+        fsdp_unit={type(LitGPT().model.blocks[0])},
+        planner_device_memory=f"{1 + dist.get_rank()}GiB",
+        data_parallel_size="auto" if dist.get_rank() == 0 else 2,
     )
     module = LitGPT()
     with mock.patch.object(agreement, "check_ranks_agree", counted):

@@ -64,7 +64,7 @@ from lightning_shard.mesh import DeviceMesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from numba_kernels import warm_kernels
-from strategies import collectives, loading, nodes, parallelize
+from strategies import agreement, collectives, loading, nodes, parallelize
 from strategies.fabric_precision import ShardFabricPrecision
 from strategies.input_checks import check_first_forwards, check_initialised_at_first_forward
 from strategies.metrics import set_data_parallel_group, sync_metrics_over_data_parallel
@@ -215,6 +215,8 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, engine._process_group_backend, timeout=engine._timeout)
+        # before the mesh, as in the Trainer strategy (strategies/agreement.py)
+        agreement.check_ranks_agree({"strategy arguments": engine._argument_entries()}, when="about the strategy")
         if engine._tensor_parallel_size == "auto":
             rank_zero_info(
                 "shard_fsdp_tp (Fabric): tensor_parallel_size='auto' needs the model before the mesh; using 1"
@@ -252,6 +254,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         """TP, FSDP per unit and on the root, meta materialization, drift check (the Trainer strategy's code)."""
         if getattr(module, "_shard_fsdp_tp_done", False):
             return module
+        self.engine._check_model_agrees(module)  # before the broadcast and fully_shard pair tensors by position
         if parallelize.is_parallelized(module):
             rank_zero_info("shard_fsdp_tp: the model is already parallelized; left as it is")
             unset = parallelize.materialize(module, self.root_device)
@@ -294,6 +297,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        _check_optimizers_agree(module, optimizers, [scheduler] if scheduler is not None else [])
         return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -308,6 +312,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
                 "`model = fabric.setup_module(model)`, or pass both to `fabric.setup(model, optimizer)`"
             )
         check_optimizer_params(optimizer)
+        _check_optimizers_agree(None, [optimizer])
         return optimizer
 
     # ------------------------------------------------------------------ gradients
@@ -579,3 +584,10 @@ def _check_remappable(optimizer: Optimizer, names: dict[int, str]) -> None:
             f"shard_fsdp_tp (Fabric): the optimizer holds {len(unknown)} parameters that are not the model's "
             f"(shapes {unknown[:3]}); create it from model.parameters()"
         )
+
+
+def _check_optimizers_agree(module: nn.Module | None, optimizers: list, schedulers: list | None = None) -> None:
+    """Raise on every rank unless every rank set up the same optimizers (type, param groups, hyper-parameters):
+    under FSDP each rank updates its own shard, so different learning rates train silently wrong."""
+    sections = {"optimizers": agreement.optimizer_entries(module, optimizers, schedulers or [])}
+    agreement.check_ranks_agree(sections, when="about the optimizers (at setup)")

@@ -65,7 +65,18 @@ from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
 from lightning_shard.tp.input_check import sync_rng_states
 from lightning_shard.tp.loss import replicated_loss
 from numba_kernels import warm_kernels
-from strategies import auto, batch_counts, collectives, finetuning, loading, nodes, parallelize, requeue, unsupported
+from strategies import (
+    agreement,
+    auto,
+    batch_counts,
+    collectives,
+    finetuning,
+    loading,
+    nodes,
+    parallelize,
+    requeue,
+    unsupported,
+)
 from strategies.compile import check_no_tensor_parallelism, compile_fsdp_units
 from strategies.generation import wrap_generate
 from strategies.hf_attentions import gather_attention_weights
@@ -239,6 +250,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # after a checkpoint had the chance to fill them
         self._unset_after_materialize: list[str] | None = None
         self._rng_resync_reported = False  # the per-step RNG sync logs its first resync only
+        self._agreement_due = False  # the ranks compare optimizers and settings at a fit's first training step
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -321,6 +333,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        # before the mesh: ranks that build meshes of other shapes pair up the wrong subgroups
+        agreement.check_ranks_agree({"strategy arguments": self._argument_entries()}, when="about the strategy")
         self._device_mesh = self._build_mesh()
         self.lightning_module._device_mesh = self._device_mesh
         unsupported.warn_throughput_under_tp(self.lightning_module, self._device_mesh.size("tensor_parallel"))
@@ -328,6 +342,31 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         # first step nor the memory around the model pays for them (docs/strategy.md).
         warm_kernels(self.root_device)
         load_rules()
+
+    def _argument_entries(self) -> dict[str, str]:
+        """The strategy's arguments as asked (``"auto"`` before the planner decides), for ``agreement``; the
+        planner's own inputs are left out: rank 0's planner decides for every rank."""
+        dp, tp = self._data_parallel_size, self._tensor_parallel_size
+        if dp == "auto" and isinstance(tp, int) and self.world_size % tp == 0:
+            dp = self.world_size // tp  # "auto" and the size it stands for build the same mesh
+        asked = {
+            "data_parallel_size": dp,
+            "tensor_parallel_size": tp,
+            "fsdp_unit": self.fsdp_unit,
+            "tp_plan": self.tp_plan,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+            "sharding_strategy": self.sharding_strategy,
+            **self._auto_request,
+            "state_dict_type": self.state_dict_type,
+            "compile_fsdp_units": self.compile_fsdp_units,
+            "precision": self.precision_plugin.precision,
+            "num_nodes": self.num_nodes,
+            "devices": self.num_processes,
+            # Trainer(sync_batchnorm=True): SyncBatchNorm all-reduces in its forward, BatchNorm does not
+            "sync_batchnorm": type(getattr(self, "_layer_sync", None)).__qualname__,
+        }
+        return {name: agreement.describe_choice(value) for name, value in asked.items()}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -528,13 +567,13 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         model = self.model
-        if getattr(model, "_shard_fsdp_tp_done", False):
-            pass  # parallelized by this strategy in an earlier Trainer call (e.g. validate, then fit)
-        elif parallelize.is_parallelized(model):
-            rank_zero_info("shard_fsdp_tp: the model is already parallelized in configure_model; left as it is")
-        else:
-            self._parallelize(model)
-            model._shard_fsdp_tp_done = True
+        if not getattr(model, "_shard_fsdp_tp_done", False):  # else parallelized by an earlier Trainer call
+            self._check_model_agrees(model)
+            if parallelize.is_parallelized(model):
+                rank_zero_info("shard_fsdp_tp: the model is already parallelized in configure_model; left as it is")
+            else:
+                self._parallelize(model)
+                model._shard_fsdp_tp_done = True
         unsupported.refuse_exports(model)
         wrap_peft_methods(model)
         self.model = model
@@ -545,6 +584,33 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             # before Lightning registers its signal handlers: SIGUSR1's save must not run wherever a rank happens to be
             self._requeue = requeue.DeferredRequeue.install(trainer)
         self.setup_precision_plugin()
+
+    def _check_model_agrees(self, model: nn.Module) -> None:
+        """Raise on every rank unless every rank built the same parameters and buffers (names, order, shapes,
+        dtypes, ``requires_grad``) from the same module classes, before the broadcast and ``fully_shard`` pair
+        them up by position."""
+        sections = {
+            "parameters": agreement.parameter_entries(model),
+            "buffers": agreement.buffer_entries(model),
+            "modules": agreement.module_entries(model),
+        }
+        agreement.check_ranks_agree(sections, when="about the model (before it is sharded)")
+
+    def _check_training_agrees(self) -> None:
+        """At a fit's first training step (after ``configure_optimizers`` and the callbacks' ``on_fit_start`` /
+        ``on_train_start`` / ``on_train_epoch_start``, which may freeze parameters or change settings): raise on
+        every rank unless the optimizers, the trainable parameters and the Trainer's loop settings agree."""
+        if not self._agreement_due:
+            return
+        self._agreement_due = False
+        trainer = self.lightning_module.trainer
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        sections = {
+            "Trainer settings": agreement.trainer_entries(trainer),
+            "optimizers": agreement.optimizer_entries(self.model, self.optimizers, schedulers),
+            "trainable parameters": agreement.trainable_entries(self.model),
+        }
+        agreement.check_ranks_agree(sections, when="at the first training step")
 
     def _sync_metrics_over_data_parallel(self) -> None:
         """Under TP, torchmetrics metrics without a ``process_group`` of their own synchronise over the
@@ -599,6 +665,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             fsdp_mesh=self._fsdp_mesh(),
             activation_checkpointing_policy=self.activation_checkpointing_policy,
         )
+        model._fsdp_state.agreement_checked = True  # compared before sharding (_check_model_agrees)
         if summary["tp_plan"] is not None:
             tp_mesh = self.device_mesh["tensor_parallel"]
             summary["attention_weights_gathered"] = gather_attention_weights(model, summary["tp_plan"], tp_mesh)
@@ -659,6 +726,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         args, kwargs = self._first_batch_check(self._device_mesh, "training", args, kwargs)
         self._check_initialised()
+        self._check_training_agrees()
         self._sync_tp_rng_states(before=f"training step {self.lightning_module.trainer.global_step}")
         with (
             resharded_on_exception(self.model),
@@ -729,6 +797,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     # DistributedSampler, but a user's own per-rank data (use_distributed_sampler=False) can differ the same way.
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._agreement_due = True  # checked at the first training step, after the epoch-start hooks
         self._sync_metrics_over_data_parallel()
         finetuning.clear_restarting(self.lightning_module.trainer)  # the groups were rebuilt at load time
 

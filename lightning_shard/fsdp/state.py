@@ -33,6 +33,7 @@ from torch.autograd import Variable
 from lightning_shard.fsdp.forward_checks import check_forward_parameters
 from lightning_shard.fsdp.param_group import FSDPParamGroup
 from lightning_shard.fsdp.policies import MixedPrecisionPolicy
+from lightning_shard.fsdp.rank_agreement import check_units_agree
 from lightning_shard.fsdp.training_state import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, TrainingState, UnitState
 from lightning_shard.sac import outside_sac
 
@@ -70,6 +71,9 @@ class FSDPState:
         # that gather them again at their next call in the same forward (``_reshard_inside_forward``).
         self._regather_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback_queued = False  # root only: the end-of-backward callback is queued
+        # root only: True when the ranks already compared the model (the Lightning strategy, before sharding);
+        # else the units are compared at the first forward (rank_agreement.py)
+        self.agreement_checked = False
         # Under torch.compile the hooks run eagerly, as torch's FSDP2 runs its own by default
         # (torch._dynamo.config.skip_fsdp_hooks): they all-gather, free and swap parameters, which no graph holds.
         # A compiled model breaks its graph at each FSDP unit's boundary; a unit's forward itself compiles.
@@ -110,6 +114,8 @@ class FSDPState:
                         state.is_root = False
                         state.root = self
         self._sync_requires_grad_at_each_call()
+        if not self.agreement_checked:
+            check_units_agree(self)
 
     def _sync_requires_grad_at_each_call(self) -> None:
         """Root only: each module holding the root group's parameters gives them the sharded parameters'

@@ -197,12 +197,12 @@ class _CheckpointedStack(nn.Module):
 _FORMS = [
     ("reentrant_units", 1, True, None),
     ("spanning_two_units", 1, True, None),
-    ("sequential", 1, True, None),
     ("all", 1, True, None),
     # the recompute draws the dropout masks of the forward: equal to one process that does not checkpoint
     ("reentrant_dropout", 1, True, "dropout"),
 ]
 _MORE_FORMS = [
+    ("sequential", 1, True, None),  # checkpoint_sequential: reentrant checkpoints, as reentrant_units
     ("unit_twice", 1, True, None),
     ("reentrant_no_grad_input", 1, True, None),
     ("matmuls", 2, False, None),  # accumulation without sync, parameters kept from forward to backward

@@ -129,7 +129,8 @@ def test_init_module_meta_materialized_like_one_device():
     assert max_diff(full_state(model.module), full_state(reference)) == 0
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+# the full format's writer and reader are the Trainer's, tested by default (tests/test_strategy_checkpoint.py)
+@pytest.mark.parametrize("state_dict_type", ["sharded", pytest.param("full", marks=pytest.mark.slow)])
 @distributed(world_size=2)
 def test_save_load_round_trip(state_dict_type):
     fabric = _fabric(strategy=strategies.ShardFSDPTPFabricStrategy(state_dict_type=state_dict_type))

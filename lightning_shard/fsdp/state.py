@@ -158,10 +158,12 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.summoned:
             return args, kwargs
+        # functional_call, torch.func (forward_checks.py): before the lazy init, whose ranks-agree check at the
+        # first forward is a collective that cannot run on functorch's wrapped tensors either
+        check_forward_parameters(self.unit.unit, self.group)
         self._lazy_init()
         if self._nested_call():
             return args, kwargs
-        check_forward_parameters(self.unit.unit, self.group)  # functional_call, torch.func: forward_checks.py
         if self.is_root and not _in_backward():
             self._root_pre_forward()
         before = self.unit.current

@@ -196,12 +196,12 @@ class _CheckpointedStack(nn.Module):
 # (form, micro-batches per step, reshard_after_forward, the one-process reference's form if not the same)
 _FORMS = [
     ("reentrant_units", 1, True, None),
-    ("spanning_two_units", 1, True, None),
     ("all", 1, True, None),
-    # the recompute draws the dropout masks of the forward: equal to one process that does not checkpoint
-    ("reentrant_dropout", 1, True, "dropout"),
 ]
 _MORE_FORMS = [
+    ("spanning_two_units", 1, True, None),
+    # the recompute draws the dropout masks of the forward: equal to one process that does not checkpoint
+    ("reentrant_dropout", 1, True, "dropout"),
     ("sequential", 1, True, None),  # checkpoint_sequential: reentrant checkpoints, as reentrant_units
     ("unit_twice", 1, True, None),
     ("reentrant_no_grad_input", 1, True, None),

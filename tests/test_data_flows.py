@@ -137,6 +137,9 @@ class StreamByGlobalRank(Recorder):
         return DataLoader(Stream(32, self.trainer.global_rank, self.trainer.world_size), batch_size=4)
 
 
+# slow: test_dataloader_iter_step_under_tp streams the same dataset split by the data-parallel rank under TP, and
+# raises on the split by the global rank
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "tp"), TP_DEFAULT)
 @distributed(world_size=2)
 def test_iterable_dataset_split_by_the_data_parallel_rank(arch, tp):

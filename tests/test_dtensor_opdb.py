@@ -16,9 +16,9 @@ from tests.opdb import harness, run_ours
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
 SUBSET = [
-    "add", "where", "lerp", "addcdiv",
-    "sum", "var", "cumsum", "argmax",
-    "view", "permute", "expand", "cat", "split",
+    "where", "lerp", "addcdiv",
+    "var", "cumsum", "argmax",
+    "expand", "split",
     "gather", "scatter_add", "index_put",
     "matmul", "addmm", "linalg.vector_norm", "einsum",
     "softmax", "nn.functional.layer_norm", "nn.functional.embedding", "nn.functional.cross_entropy",

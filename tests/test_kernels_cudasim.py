@@ -25,8 +25,8 @@ _SCRIPT = textwrap.dedent(
     from numba_kernels.testing import assert_bits_equal, check_against_reference
 
     warnings.simplefilter("ignore", RuntimeWarning)  # numpy scalars warn on x/0, inf-inf in the simulator
-    n = check_against_reference("cuda", "cpu", world_sizes=(3,), seed=1, n_params=4, full=True)
-    n += check_against_reference("cuda", "cpu", world_sizes=(1, 8), seed=2, n_params=4, full=False)
+    n = check_against_reference("cuda", "cpu", world_sizes=(3,), seed=1, n_params=3, full=True)
+    n += check_against_reference("cuda", "cpu", world_sizes=(1, 8), seed=2, n_params=3, full=False)
     # casts at the edges, through the simulator's copy of the conversion code
     x = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, 6e-8, 65519.0, 65520.0, 1.0 + 2**-8,
                       1.0 + 3 * 2**-9, 2.0**-25, 3.4e38])

@@ -69,12 +69,10 @@ def _tensor(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def parameter_entries(model: nn.Module, *, with_requires_grad: bool = True) -> dict[str, str]:
+def parameter_entries(model: nn.Module) -> dict[str, str]:
     """Every parameter in registration order (tied ones under each name): shape, dtype and whether it trains."""
-    return {
-        name: _tensor(p) + (f" requires_grad={p.requires_grad}" if with_requires_grad else "")
-        for name, p in model.named_parameters(remove_duplicate=False)
-    }
+    params = model.named_parameters(remove_duplicate=False)
+    return {name: f"{_tensor(p)} requires_grad={p.requires_grad}" for name, p in params}
 
 
 def trainable_entries(model: nn.Module) -> dict[str, str]:
@@ -108,11 +106,11 @@ def optimizer_entries(
             out[f"optimizer {i} group {j} params"] = repr(params)
             for key, value in sorted(group.items()):
                 if key != "params":
-                    out[f"optimizer {i} group {j} {key}"] = _setting(value)
+                    out[f"optimizer {i} group {j} {key}"] = describe_choice(value)
     for i, scheduler in enumerate(schedulers):
         out[f"scheduler {i}"] = type(scheduler).__qualname__
         for key, value in sorted(_state(scheduler).items()):
-            out[f"scheduler {i} {key}"] = _setting(value)
+            out[f"scheduler {i} {key}"] = describe_choice(value)
     return out
 
 
@@ -123,26 +121,14 @@ def _state(scheduler) -> dict:
         return {}
 
 
-def _setting(value: Any) -> str:
-    """A hyper-parameter as text that is the same on every rank for the same value: a tensor (a capturable Adam's
-    ``lr``) by its values, containers entry by entry, other objects (a function a scheduler holds) by type only
-    (their ``repr`` may hold an address)."""
-    if isinstance(value, torch.Tensor):
-        return repr(value.detach().cpu().tolist())
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_setting(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_setting(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (int, float, str, bool, type(None))):
-        return repr(value)
-    return f"<{type(value).__qualname__}>"
-
-
 def describe_choice(choice: Any, depth: int = 0) -> str:
-    """A strategy argument as text that is the same on every rank for the same choice: classes and functions
-    by qualified name (a ``repr`` would hold their address), sets sorted, plans by module name and style."""
+    """A strategy argument or a hyper-parameter as text that is the same on every rank for the same value:
+    tensors (a capturable Adam's ``lr``) by their values (their ``repr`` names the rank's device), classes and
+    functions by qualified name (a ``repr`` would hold their address), sets sorted, plans by module name and style."""
     if isinstance(choice, (str, int, float, bool, type(None))):
         return repr(choice)
+    if isinstance(choice, torch.Tensor):
+        return repr(choice.detach().cpu().tolist())
     if isinstance(choice, type) or (callable(choice) and hasattr(choice, "__qualname__")):
         return f"{getattr(choice, '__module__', '')}.{choice.__qualname__}"
     if depth > 6:  # deep enough to tell plans apart; a cycle stops here

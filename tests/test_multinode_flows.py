@@ -49,7 +49,11 @@ from tests.test_checkpoint_interop_fsdp import epochs
 from tests.test_checkpoint_interop_fsdp_sharded import LR, AdamGPT, _optim_state, _params, reference
 from tests.test_strategy import _trainer
 
-TP_TOL = 5e-5  # TP shards reduce in another order than one process
+# TP shards reduce in another order than one process. AdamW (lr 0.01) amplifies that rounding where gradients are
+# near zero: one process's own float32 epoch lies up to 1.0e-4 from the same epoch in float64 on the Llama model
+# (measured on an AMD EPYC; matmuls round differently from one CPU to another), while a wrong shard or reduction
+# moves parameters by 1e-3 and more.
+TP_TOL = 2e-4
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 _LAUNCH_VARS += ("TORCHELASTIC_RUN_ID",)
 

@@ -203,4 +203,14 @@ def _decoder(family: str):
 #: the list-B decoder families this module builds (tests/test_hf_decoders_recent.py runs them)
 RECENT_DECODER_FAMILIES = tuple(DECODERS)
 
+# Variants for one targeted test each, built by name like the families but not in RECENT_DECODER_FAMILIES.
+# Two query heads and two key/value heads: one key/value head per rank under TP 2, the shape with which a
+# replicated KV-shared layer broadcast its rank's one head over both query heads instead of failing.
+DECODERS["gemma4_unified_text_2_heads"] = (
+    DECODERS["gemma4_unified_text"][0],
+    DECODERS["gemma4_unified_text"][1],
+    dict(DECODERS["gemma4_unified_text"][2], num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+         global_head_dim=32),
+)  # fmt: skip
+
 hf_models.FAMILIES.update({f: (lambda f=f: _decoder(f), "causal") for f in DECODERS})

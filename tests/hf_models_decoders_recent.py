@@ -213,4 +213,18 @@ DECODERS["gemma4_unified_text_2_heads"] = (
          global_head_dim=32),
 )  # fmt: skip
 
+
+def _kv_shared(family: str) -> tuple[str, str, dict]:
+    """``tests/hf_models.py``'s Gemma 3n or Gemma 4 with its last two of four layers KV-shared (there
+    ``num_kv_shared_layers=0``)."""
+    config_cls, model_cls, kwargs = hf_models._DECODERS[family]
+    kwargs = dict(kwargs, num_hidden_layers=4, layer_types=kwargs["layer_types"] * 2, num_kv_shared_layers=2)
+    if "activation_sparsity_pattern" in kwargs:
+        kwargs["activation_sparsity_pattern"] = kwargs["activation_sparsity_pattern"] * 2
+    return config_cls, model_cls, kwargs
+
+
+DECODERS["gemma3n_kv_shared"] = _kv_shared("gemma3n")
+DECODERS["gemma4_kv_shared"] = _kv_shared("gemma4")
+
 hf_models.FAMILIES.update({f: (lambda f=f: _decoder(f), "causal") for f in DECODERS})

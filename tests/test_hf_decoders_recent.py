@@ -124,17 +124,22 @@ def test_recent_decoder_plan_replicates_only_what_it_cannot_split(family):
         assert cov.sharded_fraction == 1.0, (family, cov.describe())
 
 
-@pytest.mark.parametrize("family", ["gemma4_unified_text", "gemma4_unified_text_2_heads"])
+@pytest.mark.parametrize(
+    "family", ["gemma4_unified_text", "gemma4_unified_text_2_heads", "gemma3n_kv_shared", "gemma4_kv_shared"]
+)
 def test_kv_shared_layers_leave_their_attention_class_replicated(family):
     # Layers 2 and 3 hold q_proj and o_proj only and attend over the key/value states layers 0 and 1 computed.
-    # Split by heads, layer 0 handed its rank's heads to layer 2, which ran replicated on all its query heads.
+    # Split by heads, layer 0 handed its rank's heads to layer 2, which ran replicated on all its query heads
+    # (measured on Gemma 3n and Gemma 4 with 2 query heads: loss 1.1e-2 and 7.3e-3 off, parameters 5.4e-2
+    # and 0.12 off after one step, no error; with 4 query heads a shape error).
     model = hf_models.build(family)
     plan, summary = auto_tp_plan(model, 2, return_summary=True)
     assert not [k for k in plan if ".self_attn" in k], plan
     line = next(s for s in summary if s.startswith("model.layers.0.self_attn: "))
     assert "model.layers.2.self_attn (the same class, with a query but no key/value projection)" in line, line
     assert line.endswith("left replicated"), line
-    assert "model.layers.0.mlp.gate_proj" in plan  # the rest of the layer is still split
+    # The rest of the layers is still split (Gemma 3n's MLPs reduce over their hidden units: replicated anyway).
+    assert "model.layers.1.mlp.gate_proj" in plan or family == "gemma3n_kv_shared", plan
 
 
 @distributed(world_size=2)

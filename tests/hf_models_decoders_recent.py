@@ -81,10 +81,12 @@ DECODERS: dict[str, tuple[str, str, dict]] = {
             global_config=dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=2,
                                num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN,
                                max_position_embeddings=MAX_POS))),
-    # per-layer rotary tables (sliding and full layers), logit scale, parallel attention/MLP, tied head
+    # per-layer rotary tables (sliding and full layers, registered in the order of a set of layer types: per process,
+    # with the string hash seed), logit scale, parallel attention/MLP, tied head
     "cohere_compass_text": ("CohereCompassTextConfig", "CohereCompassForCausalLM", dict(_SIZES, **_TOKENS,
                             sliding_window=4, layer_types=_TWO_LAYERS, logit_scale=0.5,
-                            rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0} for t in _TWO_LAYERS})),
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
     # relative position buckets, segment and prompt embeddings, attention and FFN under their own names
     "cpmant": ("CpmAntConfig", "CpmAntForCausalLM", dict(vocab_size=VOCAB, hidden_size=HIDDEN,
                num_attention_heads=HEADS, dim_head=HIDDEN // HEADS, dim_ff=2 * HIDDEN, num_hidden_layers=LAYERS,

@@ -162,6 +162,39 @@ def test_kv_shared_layers_under_tp_match_one_process():
                                        msg=lambda m, n=name, f=family: f"{f} {n}: {m}")  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------------ buffers
+@distributed(world_size=2)
+def test_buffers_registered_in_another_order_per_rank_are_paired_by_name():
+    # Cohere Compass registers one rotary table per entry of set(config.layer_types), so the order follows each
+    # process's string hash seed: ranks launched alike may register them in opposite orders (rank 1 here). The
+    # setup broadcast paired buffers by position, so the check before it refused such ranks (in about half the
+    # launches) with a fix no user of the model can apply; paired by position, rank 1's sliding-window table
+    # would have taken rank 0's full-attention values (both (8,)), silently.
+    import lightning as L
+    import torch.distributed as dist
+
+    import strategies  # noqa: F401 - registers "shard_fsdp_tp"
+    from tests.test_hf_fsdp import STEPS as FSDP_STEPS
+
+    family = "cohere_compass_text"
+    module = hf_models.lit_hf(family)
+    rotary = module.model.model.rotary_emb
+    if dist.get_rank() == 1:
+        rotary._buffers = dict(reversed(rotary._buffers.items()))
+    expected = {n: b.clone() for n, b in module.model.named_buffers()}
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="shard_fsdp_tp", max_steps=FSDP_STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module)
+    assert not torch.equal(expected["model.rotary_emb.sliding_attention_inv_freq"],
+                           expected["model.rotary_emb.full_attention_inv_freq"])  # fmt: skip
+    for name, b in module.model.named_buffers():
+        assert torch.equal(b, expected[name]), name
+    ref = hf_models.reference_params(family, FSDP_STEPS)
+    ours = dict(module.model.named_parameters())
+    worst = max((_full(ours[k].detach()) - ref[k]).abs().max().item() for k in ref)
+    assert worst < 1e-6, worst
+
+
 # ------------------------------------------------------------------------------------------------ training
 def _comparable(families, mode):
     return [f for f in families if mode not in NOT_LIKE_ONE_PROCESS.get(f, ())]

@@ -87,8 +87,10 @@ def module_entries(model: nn.Module) -> dict[str, str]:
 
 
 def buffer_entries(model: nn.Module) -> dict[str, str]:
-    """Every buffer in registration order: shape and dtype."""
-    return {name: _tensor(b) for name, b in model.named_buffers(remove_duplicate=False)}
+    """Every buffer by name (not in registration order: the broadcast pairs buffers in name order, and a model may
+    register them in an order that differs per process, such as Cohere Compass's rotary tables, one per entry of
+    a ``set`` of layer types): shape and dtype."""
+    return {name: _tensor(b) for name, b in sorted(model.named_buffers(remove_duplicate=False), key=lambda nb: nb[0])}
 
 
 def optimizer_entries(

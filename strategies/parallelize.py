@@ -622,10 +622,18 @@ def broadcast_plain_model(model: nn.Module, mesh: DeviceMesh) -> None:
     parameter and buffer, before sharding: one broadcast per mesh dimension, over the mesh's groups, which
     carry host tensors too (so an unsharded model stays on the host until it is sharded).
 
+    Parameters go in registration order (which the ranks must share: FSDP lays them out in it), buffers in name
+    order: a model may register its buffers in an order that differs per process (Cohere Compass's rotary tables,
+    one per entry of a ``set`` of layer types, whose order follows the process's string hash seed), and paired by
+    position one rank's sliding-window table received the other's full-attention values.
+
     Example: ``broadcast_plain_model(model, mesh)`` on a (2, 4) mesh: along dim 0, then along dim 1.
     """
+    buffers = {}
+    for _, b in sorted(model.named_buffers(remove_duplicate=False), key=lambda item: item[0]):
+        buffers.setdefault(id(b), b)  # a buffer under several names once, at its first name in name order
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
+        for t in [*model.parameters(), *buffers.values()]:
             if not isinstance(t, DTensor) and not t.is_meta:
                 for dim in range(mesh.ndim):
                     if mesh.size(dim) > 1:

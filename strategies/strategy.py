@@ -586,9 +586,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _check_model_agrees(self, model: nn.Module) -> None:
-        """Raise on every rank unless every rank built the same parameters and buffers (names, order, shapes,
-        dtypes, ``requires_grad``) from the same module classes, before the broadcast and ``fully_shard`` pair
-        them up by position."""
+        """Raise on every rank unless every rank built the same parameters (names, order, shapes, dtypes,
+        ``requires_grad``) and buffers (names, shapes, dtypes; the broadcast pairs them in name order) from the
+        same module classes, before the broadcast and ``fully_shard`` pair them up by position."""
         sections = {
             "parameters": agreement.parameter_entries(model),
             "buffers": agreement.buffer_entries(model),

@@ -17,7 +17,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   next to ``attention.self``). A per-head table (an ``nn.Embedding`` child whose width is the head count: T5's
   ``relative_attention_bias``, rows = buckets, columns = heads) is column-parallel, split like the heads; so is
   one outside the attentions that all of them share (MPNet's encoder-level table), when every attention is
-  sharded by heads with that head count.
+  sharded by heads with that head count. Left replicated: every attention of a class one of whose instances
+  holds a query projection but no key/value projection (Gemma 3n's, Gemma 4's KV-shared layers): that instance
+  attends over key/value states an earlier layer computed, and runs replicated on all its query heads.
 * One input redistribution per attention and per MLP module (Megatron's ``f``): the module holding q/k/v
   and an MLP module holding only its Linears get ``PrepareModuleInput`` on their first input, positional or
   keyword (``hidden_states=``), so the column-parallel projections share one DTensor input and their input
@@ -465,6 +467,24 @@ def _per_head_parameter_outside(a: _Attn, modules: dict[str, nn.Module], tables:
     return None
 
 
+def _shared_kv_reader(a: _Attn, modules: dict[str, nn.Module], attns: dict) -> str | None:
+    """A module of the attention ``a``'s class that holds a query projection but no key, value or fused one: it
+    reads the key/value states an earlier layer computed (Gemma 3n's and Gemma 4's KV-shared layers, whose
+    producer stores them for the layers after it). Such states come from the producer's projections, so with the
+    producer split by heads they are this rank's heads only, while the reader (not recognised as an attention)
+    runs replicated on all its query heads: a shape error, or, with one key/value head per rank, a silent
+    broadcast of that head over every query head. Every attention of the class stays replicated (which layer
+    produces which states is in the model's code, not its structure). Returns the reader's name, or None."""
+    cls = type(modules[a.fqn])
+    for fqn, m in modules.items():
+        if type(m) is not cls or fqn in attns:
+            continue
+        lin = _linear_children(m)
+        if any(n in _Q for n in lin) and not any(n in _K | _V | _FUSED for n in lin):
+            return fqn
+    return None
+
+
 def _is_position_bias_table(name: str, p: nn.Parameter) -> bool:
     """2-D, (positions, heads) and named as a position bias; a router's weights and biases (experts wide) are
     not one."""
@@ -690,6 +710,15 @@ def auto_tp_plan(
             a.sharded, a.divide, a.head_tables, a.head_projections, a.head_norms = False, [], [], [], []
             a.reason = (
                 f"per-head parameter {table} outside the attention: the bias it makes covers every head, "
+                "left replicated"
+            )
+    for a in attns.values():
+        reader = _shared_kv_reader(a, modules, attns)
+        if reader is not None and a.sharded:
+            a.sharded, a.divide, a.head_tables, a.head_projections, a.head_norms = False, [], [], [], []
+            a.reason = (
+                f"{reader} (the same class, with a query but no key/value projection) attends over key/value "
+                "states another layer computes; split by heads they would reach it as this rank's heads only, "
                 "left replicated"
             )
     claimed = {f for a in attns.values() for f in [*a.q, a.o, *a.head_projections]}

@@ -117,6 +117,43 @@ def test_more_decoders_under_fsdp_match_one_process():
     _run(_comparable([f for f in FAMILIES if f not in FSDP_DEFAULT], "fsdp"))
 
 
+def _fit_reformer(fsdp_unit):
+    import lightning as L
+
+    from strategies import ShardFSDPTPStrategy
+
+    module = hf_models.lit_hf("reformer")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardFSDPTPStrategy(fsdp_unit=fsdp_unit),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return {n: p.full_tensor() for n, p in module.model.named_parameters()}
+
+
+@distributed(world_size=2)
+def test_reformer_reversible_layers_under_fsdp():
+    # The reversible layers run inside an autograd.Function whose backward recomputes each layer by calling
+    # ReformerLayer.backward_pass: with the layers as units (the default) their parameters are still sharded
+    # there. The error named an activation differing per rank; it must name fully_shard and the unit to choose.
+    from transformers.models.reformer.modeling_reformer import ReformerEncoder
+
+    with pytest.raises(RuntimeError, match=r"still sharded by fully_shard.*fsdp_unit=\{ReformerEncoder\}"):
+        _fit_reformer("auto")
+    # That unit (the module calling the Function) keeps them gathered through its backward: one process's result.
+    ours = _fit_reformer({ReformerEncoder})
+    ref = hf_models.reference_params("reformer", 3)
+    initial = dict(hf_models.build("reformer").named_parameters())
+    assert max((ref[n] - initial[n]).abs().max().item() for n in ref) > 1e-3  # the steps moved the weights
+    assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6
+
+
 @pytest.mark.slow
 @distributed(world_size=2)
 def test_lfm3_under_tp_matches_one_process():

@@ -117,7 +117,7 @@ def test_more_decoders_under_fsdp_match_one_process():
     _run(_comparable([f for f in FAMILIES if f not in FSDP_DEFAULT], "fsdp"))
 
 
-def _fit_reformer(fsdp_unit):
+def _fit_reformer(fsdp_unit, tensor_parallel_size=1):
     import lightning as L
 
     from strategies import ShardFSDPTPStrategy
@@ -126,7 +126,7 @@ def _fit_reformer(fsdp_unit):
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ShardFSDPTPStrategy(fsdp_unit=fsdp_unit),
+        strategy=ShardFSDPTPStrategy(fsdp_unit=fsdp_unit, tensor_parallel_size=tensor_parallel_size),
         max_steps=3,
         logger=False,
         enable_checkpointing=False,
@@ -151,6 +151,19 @@ def test_reformer_reversible_layers_under_fsdp():
     ref = hf_models.reference_params("reformer", 3)
     initial = dict(hf_models.build("reformer").named_parameters())
     assert max((ref[n] - initial[n]).abs().max().item() for n in ref) > 1e-3  # the steps moved the weights
+    assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6
+
+
+@distributed(world_size=2)
+def test_reformer_reversible_layers_under_tp():
+    # TP 2 through the strategy still wraps every ReformerLayer in an FSDP unit (data parallel 1): in the
+    # reversible backward a Linear's TP output hook got a DTensor on the 2-D mesh and failed on a placement count.
+    from transformers.models.reformer.modeling_reformer import ReformerEncoder
+
+    with pytest.raises(RuntimeError, match=r"still sharded by fully_shard.*fsdp_unit=\{ReformerEncoder\}"):
+        _fit_reformer("auto", tensor_parallel_size=2)
+    ours = _fit_reformer({ReformerEncoder}, tensor_parallel_size=2)
+    ref = hf_models.reference_params("reformer", 3, world=1)  # both ranks train on the same batches
     assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6
 
 

@@ -86,6 +86,18 @@ def test_decoder_plan_replicates_only_what_it_cannot_split(family):
         assert cov.sharded_fraction == 1.0, (family, cov.describe())
 
 
+def test_unrecognised_layer_beside_blocks_of_its_class_is_a_block():
+    # Reformer's LSH-attention layer (a shared query_key Linear) is a ReformerLayer like the local-attention one
+    # the plan recognises. Taken for something outside the blocks, its FFN's first Linear (64 -> 128, the
+    # vocabulary's shape here) was planned as an LM head in the middle of the network.
+    model = hf_models.build("reformer")
+    plan, summary = auto_tp_plan(model, 2, return_summary=True)
+    assert not [k for k in plan if k.startswith("reformer.encoder.layers.1.")], plan
+    assert not [line for line in summary if "LM head," in line], summary
+    line = next(s for s in summary if s.startswith("reformer.encoder.layers.1.feed_forward.dense.dense: "))
+    assert "inside a block but not part of a recognised attention or MLP" in line, line
+
+
 # ------------------------------------------------------------------------------------------------ training
 def _comparable(families, mode):
     return [f for f in families if mode not in OWN_TEST.get(f, ())]

@@ -7,18 +7,24 @@ LFM3, nanochat, CWM, Jais 2, GPT-NeoX-Japanese, MiMo-V2-Flash, Solar Open and Re
 ``tests/hf_models.py`` (hidden 64, 4 heads, 2 KV heads, 2 layers where the family allows, vocabulary 128; 4 experts,
 2 per token), each with what makes it differ from Llama switched on in its config.
 
-Importing this module adds the families to ``hf_models.FAMILIES``, so ``hf_models.build``, ``lit_hf`` and
-``reference_params`` (and the tests built on them) take these names as well.
+Inside ``registered()`` the families are in ``hf_models.FAMILIES``, so ``hf_models.build``, ``lit_hf`` and
+``reference_params`` (and the helpers of tests/test_hf_decoders.py built on them) take these names as well.
+They are added only there, not on import: tests/test_hf_save.py and tests/test_hf_tp.py parametrize over
+``hf_models.FAMILIES`` when pytest collects them, after this module.
 
 Example::
 
     from tests import hf_models, hf_models_decoders_more as more
 
-    model = hf_models.build("olmo3")            # Olmo3ForCausalLM
+    with more.registered():
+        model = hf_models.build("olmo3")        # Olmo3ForCausalLM
     loss = hf_models.lm_loss(model, hf_models.token_batch())
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from tests import hf_models
 from tests.hf_models import _GQA, _LLAMA_SIZES, HEADS, HIDDEN, LAYERS, MAX_POS, VOCAB
@@ -165,4 +171,14 @@ def _decoder(family: str):
 #: the families of this module, most-used first (tests/test_hf_decoders_more.py runs them).
 DECODER_FAMILIES_MORE = tuple(_DECODERS_MORE)
 
-hf_models.FAMILIES.update({f: (lambda f=f: _decoder(f), "causal") for f in _DECODERS_MORE})
+
+@contextlib.contextmanager
+def registered() -> Iterator[None]:
+    """``hf_models.FAMILIES`` with this module's families added, removed again on exit."""
+    added = {f: (lambda f=f: _decoder(f), "causal") for f in _DECODERS_MORE if f not in hf_models.FAMILIES}
+    hf_models.FAMILIES.update(added)
+    try:
+        yield
+    finally:
+        for f in added:
+            hf_models.FAMILIES.pop(f, None)

@@ -76,7 +76,8 @@ OWN_TEST = {
 # ------------------------------------------------------------------------------------------------ plans
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoder_plan_replicates_only_what_it_cannot_split(family):
-    model = hf_models.build(family)
+    with more.registered():
+        model = hf_models.build(family)
     plan, summary = auto_tp_plan(model, 2, return_summary=True)
     cov = tp_coverage(model, plan, summary)
     parts = [_block_part(fqn) for fqn, _, _ in cov.replicated]
@@ -90,7 +91,8 @@ def test_unrecognised_layer_beside_blocks_of_its_class_is_a_block():
     # Reformer's LSH-attention layer (a shared query_key Linear) is a ReformerLayer like the local-attention one
     # the plan recognises. Taken for something outside the blocks, its FFN's first Linear (64 -> 128, the
     # vocabulary's shape here) was planned as an LM head in the middle of the network.
-    model = hf_models.build("reformer")
+    with more.registered():
+        model = hf_models.build("reformer")
     plan, summary = auto_tp_plan(model, 2, return_summary=True)
     assert not [k for k in plan if k.startswith("reformer.encoder.layers.1.")], plan
     assert not [line for line in summary if "LM head," in line], summary
@@ -105,20 +107,23 @@ def _comparable(families, mode):
 
 @distributed(world_size=2)
 def test_decoders_auto_tp2_match_one_process():
-    _run_tp(TP_DEFAULT)
+    with more.registered():
+        _run_tp(TP_DEFAULT)
 
 
 @pytest.mark.slow
 @distributed(world_size=2, timeout=1800)
 def test_more_decoders_auto_tp2_match_one_process():
-    _run_tp(_comparable([f for f in FAMILIES if f not in TP_DEFAULT], "tp"))
+    with more.registered():
+        _run_tp(_comparable([f for f in FAMILIES if f not in TP_DEFAULT], "tp"))
 
 
 @distributed(world_size=2)
 def test_decoders_under_fsdp_match_one_process():
     from tests.test_hf_fsdp import _run
 
-    _run(FSDP_DEFAULT)
+    with more.registered():
+        _run(FSDP_DEFAULT)
 
 
 @pytest.mark.slow
@@ -126,7 +131,8 @@ def test_decoders_under_fsdp_match_one_process():
 def test_more_decoders_under_fsdp_match_one_process():
     from tests.test_hf_fsdp import _run
 
-    _run(_comparable([f for f in FAMILIES if f not in FSDP_DEFAULT], "fsdp"))
+    with more.registered():
+        _run(_comparable([f for f in FAMILIES if f not in FSDP_DEFAULT], "fsdp"))
 
 
 def _fit_reformer(fsdp_unit, tensor_parallel_size=1):
@@ -134,7 +140,8 @@ def _fit_reformer(fsdp_unit, tensor_parallel_size=1):
 
     from strategies import ShardFSDPTPStrategy
 
-    module = hf_models.lit_hf("reformer")
+    with more.registered():
+        module = hf_models.lit_hf("reformer")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -160,8 +167,9 @@ def test_reformer_reversible_layers_under_fsdp():
         _fit_reformer("auto")
     # That unit (the module calling the Function) keeps them gathered through its backward: one process's result.
     ours = _fit_reformer({ReformerEncoder})
-    ref = hf_models.reference_params("reformer", 3)
-    initial = dict(hf_models.build("reformer").named_parameters())
+    with more.registered():
+        ref = hf_models.reference_params("reformer", 3)
+        initial = dict(hf_models.build("reformer").named_parameters())
     assert max((ref[n] - initial[n]).abs().max().item() for n in ref) > 1e-3  # the steps moved the weights
     assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6
 
@@ -175,7 +183,8 @@ def test_reformer_reversible_layers_under_tp():
     with pytest.raises(RuntimeError, match=r"still sharded by fully_shard.*fsdp_unit=\{ReformerEncoder\}"):
         _fit_reformer("auto", tensor_parallel_size=2)
     ours = _fit_reformer({ReformerEncoder}, tensor_parallel_size=2)
-    ref = hf_models.reference_params("reformer", 3, world=1)  # both ranks train on the same batches
+    with more.registered():
+        ref = hf_models.reference_params("reformer", 3, world=1)  # both ranks train on the same batches
     assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6
 
 
@@ -189,7 +198,8 @@ def test_lfm3_under_tp_matches_one_process():
     from tests.test_hf_decoders import _full, _train
 
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
-    model = hf_models.build("lfm3")
+    with more.registered():
+        model = hf_models.build("lfm3")
     ref = copy.deepcopy(model)
     ref_losses = _train(ref, lr=0.05)
     parallelize_module(model, tp_mesh, auto_tp_plan(model, tp_mesh))
@@ -220,16 +230,17 @@ def _measure(families):
         except Exception as e:  # noqa: BLE001 - a measurement: report and go on
             return f"{type(e).__name__}: {str(e)[:300]}"
 
-    for family in families:
-        skip = OWN_TEST.get(family, ())
-        fsdp = "-" if "fsdp" in skip else attempt(_fit_and_compare, family)
-        tp = "-" if "tp" in skip else attempt(_tp_matches_one_process, family)
-        model = hf_models.build(family)
-        plan, summary = auto_tp_plan(model, 2, return_summary=True)
-        share = tp_coverage(model, plan, summary).sharded_fraction
-        if dist.get_rank() == 0:
-            row = f"| {family} | `{type(model).__name__}` | {fsdp} | {tp} | {100 * share:.0f}% |"
-            print(row, file=sys.__stdout__, flush=True)
+    with more.registered():
+        for family in families:
+            skip = OWN_TEST.get(family, ())
+            fsdp = "-" if "fsdp" in skip else attempt(_fit_and_compare, family)
+            tp = "-" if "tp" in skip else attempt(_tp_matches_one_process, family)
+            model = hf_models.build(family)
+            plan, summary = auto_tp_plan(model, 2, return_summary=True)
+            share = tp_coverage(model, plan, summary).sharded_fraction
+            if dist.get_rank() == 0:
+                row = f"| {family} | `{type(model).__name__}` | {fsdp} | {tp} | {100 * share:.0f}% |"
+                print(row, file=sys.__stdout__, flush=True)
 
 
 if __name__ == "__main__":  # python -m tests.test_hf_decoders_more [family ...]: the table in docs/huggingface.md

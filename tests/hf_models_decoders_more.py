@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 from tests import hf_models
 from tests.hf_models import _GQA, _LLAMA_SIZES, HEADS, HIDDEN, LAYERS, MAX_POS, VOCAB
 
@@ -165,7 +167,19 @@ def _decoder(family: str):
     import transformers
 
     config_cls, model_cls, kwargs = _DECODERS_MORE[family]
-    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+    _trained_routing_bias(model)
+    return model
+
+
+def _trained_routing_bias(model) -> None:
+    """DeepSeek-V3-style routers add a bias buffer (``e_score_correction_bias``, balanced during pre-training,
+    not by gradients) to the scores they pick experts by; transformers initialises it to zeros, which would leave
+    it out of the comparison. Give it values like a trained model's (seeded from the model's own parameters'
+    stream: ``build`` seeds before building), large enough to change which experts are picked."""
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape) * 0.1)
 
 
 #: the families of this module, most-used first (tests/test_hf_decoders_more.py runs them).

@@ -751,7 +751,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._check_tp_replicated_gradients()
         return out
 
-    def _check_tp_replicated_gradients(self) -> None:
+    def _check_tp_replicated_gradients(self, module: nn.Module | None = None) -> None:
         """The TP ranks' generators were synced before the step; if they differ after a backward, the model drew or
         seeded differently on the ranks inside the step (Hugging Face Reformer reseeds from OS entropy in every
         training forward), and dropout on a replicated activation may have drawn different masks. Then the
@@ -764,7 +764,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         group = mesh.get_group("tensor_parallel")
         if not rng_states_differ(group, self.root_device):
             return
-        apart = replicated_gradients_apart(self.model.named_parameters(), group, self.root_device)
+        model = self.model if module is None else module
+        apart = replicated_gradients_apart(model.named_parameters(), group, self.root_device)
         if apart:
             shown = ", ".join(f"{name} ({rel:.1e})" for name, rel in apart[:3])
             raise RuntimeError(

@@ -192,6 +192,17 @@ def test_reformer_reversible_layers_under_tp():
     assert max((ours[n] - ref[n]).abs().max().item() for n in ref) < 1e-6
 
 
+def _reformer_with_dropout():
+    config, model_cls, kwargs = more._DECODERS_MORE["reformer"]
+    dropout = {f"{k}_dropout_prob": 0.1 for k in ("hidden", "local_attention_probs", "lsh_attention_probs")}
+    more._DECODERS_MORE["reformer"] = (config, model_cls, {**kwargs, **dropout})
+    try:
+        with more.registered():
+            return hf_models.build("reformer")
+    finally:
+        more._DECODERS_MORE["reformer"] = (config, model_cls, kwargs)
+
+
 @distributed(world_size=2)
 def test_reformer_with_dropout_under_tp_raises_before_replicated_weights_part_ways():
     # Each training forward of a ReformerLayer reseeds the CPU generator from OS entropy (torch.seed()), so within
@@ -200,16 +211,27 @@ def test_reformer_with_dropout_under_tp_raises_before_replicated_weights_part_wa
     # steps with dropout 0.1 in two runs, with no error; with dropout 0 the reseeding is harmless (the test above).
     from transformers.models.reformer.modeling_reformer import ReformerEncoder
 
-    dropout = {f"{k}_dropout_prob": 0.1 for k in ("hidden", "local_attention_probs", "lsh_attention_probs")}
-    config, model_cls, kwargs = more._DECODERS_MORE["reformer"]
-    more._DECODERS_MORE["reformer"] = (config, model_cls, {**kwargs, **dropout})
-    try:
-        with more.registered():
-            module = hf_models.lit_hf("reformer")
-    finally:
-        more._DECODERS_MORE["reformer"] = (config, model_cls, kwargs)
+    with more.registered():
+        module = hf_models.lit_hf("reformer")
+    module.model = _reformer_with_dropout()
     with pytest.raises(RuntimeError, match=r"replicated differ across the ranks of a TP group.*torch\.seed\(\)"):
         _fit_module(module, {ReformerEncoder}, tensor_parallel_size=2)
+
+
+@distributed(world_size=2)
+def test_reformer_with_dropout_under_tp_raises_through_fabric():
+    import lightning as L
+    from transformers.models.reformer.modeling_reformer import ReformerEncoder
+
+    from strategies import ShardFSDPTPFabricStrategy
+
+    model = _reformer_with_dropout()
+    strategy = ShardFSDPTPFabricStrategy(tensor_parallel_size=2, fsdp_unit={ReformerEncoder})
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup(model)
+    with pytest.raises(RuntimeError, match=r"replicated differ across the ranks of a TP group.*torch\.seed\(\)"):
+        fabric.backward(hf_models.lm_loss(model, hf_models.token_batch()))  # no model= named: every set-up one
 
 
 @pytest.mark.slow

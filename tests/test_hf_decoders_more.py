@@ -234,6 +234,26 @@ def test_reformer_with_dropout_under_tp_raises_through_fabric():
         fabric.backward(hf_models.lm_loss(model, hf_models.token_batch()))  # no model= named: every set-up one
 
 
+@distributed(world_size=2)
+def test_replicated_gradients_compared_across_tp_ranks():
+    # The check behind the two tests above, on plain (replicated) parameters: equal gradients pass, different
+    # ones and one present on some ranks only are named, and every rank gets the same answer (one collective of
+    # the same size on every rank, whichever gradients exist).
+    import torch.distributed as dist
+
+    from lightning_shard.tp.input_check import replicated_gradients_apart
+
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    params = {name: torch.nn.Parameter(torch.ones(3)) for name in ("same", "differs", "on_rank_0", "none")}
+    params["same"].grad = torch.full((3,), 2.0)
+    params["differs"].grad = torch.full((3,), 1.0 + rank)
+    params["on_rank_0"].grad = torch.ones(3) if rank == 0 else None
+    apart = replicated_gradients_apart(params.items(), group, torch.device("cpu"))
+    assert [name for name, _ in apart] == ["on_rank_0", "differs"], apart
+    assert apart[0][1] == float("inf") and apart[1][1] == pytest.approx(1 / 2)  # (6 - 3) / 6
+
+
 @pytest.mark.slow
 @distributed(world_size=2)
 def test_lfm3_under_tp_matches_one_process():

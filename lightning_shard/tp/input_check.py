@@ -121,29 +121,34 @@ def replicated_gradients_apart(
 ) -> list[tuple[str, float]]:
     """The parameters replicated over ``group`` (plain tensors, or DTensors whose placement on the
     ``"tensor_parallel"`` mesh dim is not a shard) whose local gradients differ across its ranks by more than
-    ``rtol`` (relative to the gradient's absolute sum), as ``(name, relative difference)``, the largest first.
-    Compares two sums per gradient (of the values and of their absolute values): one max all-reduce of a
-    vector of 4 numbers per parameter. Every rank of ``group`` must call it with the same parameters.
+    ``rtol`` (relative to the gradient's absolute sum), or that have a gradient on some ranks only, as ``(name,
+    relative difference)``, the largest first. Compares two sums per gradient (of the values and of their absolute
+    values) and whether it exists: one max all-reduce of 6 numbers per parameter. Every rank of ``group`` must
+    call it with the same parameters (the same model); which of them have a gradient may differ.
 
     Example: ``replicated_gradients_apart(model.named_parameters(), tp_mesh.get_group(), device)``.
     """
     names, stats = [], []
     for name, p in named_params:
-        if p.grad is None or not _replicated_over_tp(p) or not _replicated_over_tp(p.grad):
+        if not p.requires_grad or not _replicated_over_tp(p):
             continue
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        g = g.detach().double()
         names.append(name)
-        stats.append(torch.stack([g.sum(), g.abs().sum()]))
+        g = p.grad
+        if g is None or not _replicated_over_tp(g):  # none, or a pending sum (its local values differ by design)
+            stats.append(torch.tensor([0.0, 0.0, float(g is not None)], dtype=torch.float64))
+            continue
+        g = (g.to_local() if isinstance(g, DTensor) else g).detach().double()
+        stats.append(torch.stack([g.sum(), g.abs().sum(), torch.ones((), dtype=torch.float64)]).cpu())
     if not names or not comm.carries_data(group):
         return []
     on = "cpu" if "cpu" in comm.served_device_types(group) else device
-    mine = torch.stack(stats).to(on)
-    both = torch.cat([mine, -mine], dim=1)  # max over ranks of (x, -x): the max and minus the min
+    mine = torch.stack(stats)
+    both = torch.cat([mine, -mine], dim=1).to(on)  # max over ranks of (x, -x): the max and minus the min
     comm.all_reduce(both, group, op="max")
-    spread = (both[:, :2] + both[:, 2:]).cpu()  # max - min of each sum
-    scale = both[:, 1].cpu().clamp_min(torch.finfo(torch.float32).tiny)  # the largest absolute sum
-    relative = (spread / scale[:, None]).amax(dim=1)
+    both = both.cpu()
+    spread = both[:, :3] + both[:, 3:]  # max - min of each number
+    scale = both[:, 1].clamp_min(torch.finfo(torch.float32).tiny)  # the largest absolute sum
+    relative = torch.where(spread[:, 2] > 0, torch.inf, (spread[:, :2] / scale[:, None]).amax(dim=1))
     apart = [(names[i], relative[i].item()) for i in range(len(names)) if relative[i] > rtol]
     return sorted(apart, key=lambda item: -item[1])
 

@@ -143,6 +143,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         self.state_dict_type = state_dict_type
         self._num_nodes = 1
         self._backward_sync_control = _ShardBackwardSyncControl()
+        self._set_up_modules: list[nn.Module] = []  # whose replicated gradients each backward checks under TP
 
     # ------------------------------------------------------------------ registry / properties
     @classmethod
@@ -269,6 +270,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
             check_initialised_at_first_forward(module, unset)
         self._sync_rng_before_training_forwards(module)
         module._shard_fsdp_tp_done = True
+        self._set_up_modules.append(module)
         return module
 
     def _sync_rng_before_training_forwards(self, module: nn.Module) -> None:
@@ -299,6 +301,12 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         _check_optimizers_agree(module, optimizers, [scheduler] if scheduler is not None else [])
         return module, optimizers, scheduler
+
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        # See ShardFSDPTPStrategy._check_tp_replicated_gradients; fabric.backward(loss) names no module.
+        for set_up in [module] if module is not None else self._set_up_modules:
+            self.engine._check_tp_replicated_gradients(set_up)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         # Parameters the sharding replaced (the optimizer was built before setup_module) get the Fabric fix;

@@ -62,7 +62,7 @@ from lightning_shard.mesh import DeviceMesh, init_device_mesh
 from lightning_shard.tensor import DTensor
 from lightning_shard.tensor.ops import load_rules
 from lightning_shard.tp.coverage import REPLICATED_WARN_FRACTION
-from lightning_shard.tp.input_check import sync_rng_states
+from lightning_shard.tp.input_check import replicated_gradients_apart, rng_states_differ, sync_rng_states
 from lightning_shard.tp.loss import replicated_loss
 from numba_kernels import warm_kernels
 from strategies import (
@@ -747,7 +747,36 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # loss_parallel's backward ops (vocab-parallel log-softmax / nll) must run inside the context too.
         with resharded_on_exception(self.model), self._loss_parallel_context():
-            return super().backward(closure_loss, *args, **kwargs)
+            out = super().backward(closure_loss, *args, **kwargs)
+        self._check_tp_replicated_gradients()
+        return out
+
+    def _check_tp_replicated_gradients(self, module: nn.Module | None = None) -> None:
+        """The TP ranks' generators were synced before the step; if they differ after a backward, the model drew or
+        seeded differently on the ranks inside the step (Hugging Face Reformer reseeds from OS entropy in every
+        training forward), and dropout on a replicated activation may have drawn different masks. Then the
+        gradients of the replicated parameters are compared: different ones would make the ranks' copies part ways
+        with no error, so every rank raises before the optimizer step. One all-reduce of two integers per backward
+        under TP; the gradient comparison only when the generators differ."""
+        mesh = self.device_mesh
+        if mesh.size("tensor_parallel") == 1:
+            return
+        group = mesh.get_group("tensor_parallel")
+        if not rng_states_differ(group, self.root_device):
+            return
+        model = self.model if module is None else module
+        apart = replicated_gradients_apart(model.named_parameters(), group, self.root_device)
+        if apart:
+            shown = ", ".join(f"{name} ({rel:.1e})" for name, rel in apart[:3])
+            raise RuntimeError(
+                "shard_fsdp_tp: the gradients of parameters the tensor-parallel plan leaves replicated differ across "
+                f"the ranks of a TP group ({len(apart)} of them; relative difference: {shown}), and the ranks' random "
+                "number generators, synced before the step, differ after its backward: the model drew or seeded "
+                "differently on the TP ranks inside the step (e.g. Hugging Face Reformer calls torch.seed() in every "
+                "training forward), so dropout on replicated activations drew different masks. Training on would "
+                "make the ranks' copies of those weights part ways with no error. Set the model's dropout to 0, or "
+                "use tensor_parallel_size=1"
+            )
 
     def _loss_parallel_active(self) -> bool:
         return self.loss_parallel and self._device_mesh is not None and self.device_mesh.size("tensor_parallel") > 1

@@ -241,25 +241,49 @@ def _context_hint(specs: list[DTensorSpec]) -> str:
     return next((text for text in (hint(specs) for hint in _MIXING_HINTS) if text), "")
 
 
-def _fsdp_hint(specs: list[DTensorSpec]) -> str:
-    """For the mixing error: a DTensor sharded over a ``data_parallel`` mesh dim met by a plain activation is,
-    in practice, a parameter that ``fully_shard`` never all-gathered because its module ran outside its unit."""
+def _sharded_over_data_parallel(specs: list[DTensorSpec]) -> bool:
     for spec in specs:
         names = spec.mesh.mesh_dim_names or ()
         if any(n == "data_parallel" and p.is_shard() for n, p in zip(names, spec.placements)):
-            return (
-                ". A DTensor sharded over 'data_parallel' here is usually a parameter still sharded by fully_shard: "
-                "its module ran outside the forward of its fully_shard unit, whose hooks all-gather it (e.g. "
-                "checkpoint_sequential over a fully_shard-ed nn.Sequential calls its children directly, as does a "
-                "forward calling a child of another unit; a forward reading another unit's parameter itself, e.g. "
-                "F.linear(h, self.block.proj.weight) or self.block.norm.weight, meets it sharded whenever that "
-                "unit is not inside its own forward; or a submodule of a Lightning module called directly "
-                "after fit: under Trainer(strategy='shard_fsdp_tp') the LightningModule is the root unit). Call the "
-                "unit itself, fully_shard the children, or all-gather the unit's parameters around the direct "
-                "call: module.unshard(), then module.reshard() (module: the unit, e.g. the LightningModule); for "
-                "a parameter read outside its module, keep the reader and the owner in one unit (fsdp_unit)"
-            )
-    return ""
+            return True
+    return False
+
+
+def _backward_hint(specs: list[DTensorSpec]) -> str:
+    """For the mixing error inside a backward pass. A parameter still sharded by ``fully_shard`` there was used
+    by a forward that runs again inside the backward: a custom ``autograd.Function`` whose backward recomputes
+    its layers (reversible layers) calls them where their unit's hooks do not gather them. Said first, because
+    the plain tensor then is an activation, which differs per rank for the ordinary reason."""
+    if _sharded_over_data_parallel(specs):
+        return (
+            "; inside a backward pass, a DTensor sharded over 'data_parallel' is usually a parameter still sharded "
+            "by fully_shard, used by a forward that runs again inside the backward: a custom autograd.Function "
+            "whose backward recomputes its layers (e.g. the reversible layers of Hugging Face's Reformer, "
+            "ReformerLayer.backward_pass) calls them where the hooks of their fully_shard unit do not gather "
+            "them. Make the module that calls that Function the unit instead of its layers (for Reformer "
+            "fsdp_unit={ReformerEncoder}; or fully_shard that module): its parameters stay gathered until its "
+            "backward has run"
+        )
+    return "; inside a backward pass it is taken as replicated only when it is the same on every rank, and it differs"
+
+
+def _fsdp_hint(specs: list[DTensorSpec]) -> str:
+    """For the mixing error: a DTensor sharded over a ``data_parallel`` mesh dim met by a plain activation is,
+    in practice, a parameter that ``fully_shard`` never all-gathered because its module ran outside its unit."""
+    if not _sharded_over_data_parallel(specs):
+        return ""
+    return (
+        ". A DTensor sharded over 'data_parallel' here is usually a parameter still sharded by fully_shard: "
+        "its module ran outside the forward of its fully_shard unit, whose hooks all-gather it (e.g. "
+        "checkpoint_sequential over a fully_shard-ed nn.Sequential calls its children directly, as does a "
+        "forward calling a child of another unit; a forward reading another unit's parameter itself, e.g. "
+        "F.linear(h, self.block.proj.weight) or self.block.norm.weight, meets it sharded whenever that "
+        "unit is not inside its own forward; or a submodule of a Lightning module called directly "
+        "after fit: under Trainer(strategy='shard_fsdp_tp') the LightningModule is the root unit). Call the "
+        "unit itself, fully_shard the children, or all-gather the unit's parameters around the direct "
+        "call: module.unshard(), then module.reshard() (module: the unit, e.g. the LightningModule); for "
+        "a parameter read outside its module, keep the reader and the owner in one unit (fsdp_unit)"
+    )
 
 
 def _full_copy_hint(func, flat: list, plain: torch.Tensor) -> str:
@@ -347,11 +371,7 @@ def make_call(func, args: tuple, kwargs: dict) -> OpCall:
                     f"(placements {[list(s.placements) for s in specs]}); convert it with distribute_tensor() or "
                     "DTensor.from_local() first (only tensors of one element may be mixed)"
                     + (
-                        (
-                            in_backward()
-                            and "; inside a backward pass it is taken as replicated only when it is the "
-                            "same on every rank, and it differs"
-                        )
+                        (in_backward() and _backward_hint(specs))
                         or _full_copy_hint(func, flat, a)
                         or _optimizer_hint()
                         or _global_shape_hint(flat, positions, a)

@@ -42,7 +42,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
   ``out_features`` is an embedding's vocabulary: ``ColwiseParallel``, output ``Replicate()`` or, with
   ``loss_parallel=True``, ``LossParallelHead``: a ``Shard(-1)`` DTensor inside :func:`loss_parallel`, the full
-  logits, plain, outside it.
+  logits, plain, outside it. The blocks are the layers of an ``nn.ModuleList`` holding a recognised attention
+  or MLP, and the other layers of the same class in that list (Reformer's LSH-attention layer, whose attention
+  is not recognised, beside a local-attention one).
 * Sequence parallel (``sequence_parallel=True``): norms in and around the blocks get
   ``SequenceParallel(use_local_output=True)``, embeddings reduce-scatter to the sequence dim (``Shard(-2)``:
   dim 1 of ``(B, T, C)``, dim 0 of a ``(T, C)`` positional lookup), attention and MLP modules gather their
@@ -763,6 +765,7 @@ def auto_tp_plan(
     blocks = block_list(list(attns) + list(mlps) + mha)
     # Outermost blocks only (T5 nests a ModuleList of layers inside each block).
     blocks = [b for b in blocks if not any(b != o and b.startswith(o + ".") for o in blocks)]
+    blocks = _with_same_class_siblings(modules, blocks)
     in_block = {f for f in modules if inside(f, blocks)}
     embeddings = [
         f for f, m in modules.items() if isinstance(m, nn.Embedding) and f not in inside_mha and not inside(f, attns)
@@ -976,6 +979,20 @@ def auto_tp_plan(
     _note_dropout(modules, [a.fqn for a in attns.values() if a.sharded and len(a.q) > 1], mlps, lines)
     final = {k: (v[0] if len(v) == 1 else tuple(v)) for k, v in plan.items()}
     return (final, lines) if return_summary else final
+
+
+def _with_same_class_siblings(modules: dict[str, nn.Module], blocks: list[str]) -> list[str]:
+    """``blocks`` plus the other layers of their ModuleLists that are of a block's class: a layer whose attention
+    or MLP the rules do not recognise (Reformer's LSH-attention layer beside a local-attention one) is still a
+    block, so its Linears are never taken for an LM head or said to be outside the blocks."""
+    kinds = {(b.rsplit(".", 1)[0], type(modules[b])) for b in blocks if "." in b}
+    extra = [
+        f"{parent}.{n}"
+        for parent, kind in kinds
+        for n, child in modules[parent].named_children()
+        if type(child) is kind and f"{parent}.{n}" not in blocks
+    ]
+    return [b for b in modules if b in blocks or b in extra]
 
 
 def _dropout_p(m: nn.Module) -> float:

@@ -100,6 +100,68 @@ def sync_rng_states(group: dist.ProcessGroup, device: torch.device) -> bool:
     return True
 
 
+def rng_states_differ(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the random-number-generator states (CPU, and ``device``'s when it is a CUDA device) differ on some
+    rank of ``group``, without changing them. Every rank of ``group`` must call it: one all-reduce of two
+    integers. The strategies call it after each backward: the generators were synced before the step, so a
+    difference means the model drew or seeded differently on the ranks inside the step.
+
+    Example: ``rng_states_differ(tp_mesh.get_group(), torch.device("cpu"))``.
+    """
+    if not comm.carries_data(group):
+        return False
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return _states_differ(states, group, device)
+
+
+def replicated_gradients_apart(
+    named_params, group: dist.ProcessGroup, device: torch.device, *, rtol: float = 1e-4
+) -> list[tuple[str, float]]:
+    """The parameters replicated over ``group`` (plain tensors, or DTensors whose placement on the
+    ``"tensor_parallel"`` mesh dim is not a shard) whose local gradients differ across its ranks by more than
+    ``rtol`` (relative to the gradient's absolute sum), or that have a gradient on some ranks only, as ``(name,
+    relative difference)``, the largest first. Compares two sums per gradient (of the values and of their absolute
+    values) and whether it exists: one max all-reduce of 6 numbers per parameter. Every rank of ``group`` must
+    call it with the same parameters (the same model); which of them have a gradient may differ.
+
+    Example: ``replicated_gradients_apart(model.named_parameters(), tp_mesh.get_group(), device)``.
+    """
+    names, stats = [], []
+    for name, p in named_params:
+        if not p.requires_grad or not _replicated_over_tp(p):
+            continue
+        names.append(name)
+        g = p.grad
+        if g is None or not _replicated_over_tp(g):  # none, or a pending sum (its local values differ by design)
+            stats.append(torch.tensor([0.0, 0.0, float(g is not None)], dtype=torch.float64))
+            continue
+        g = (g.to_local() if isinstance(g, DTensor) else g).detach().double()
+        stats.append(torch.stack([g.sum(), g.abs().sum(), torch.ones((), dtype=torch.float64)]).cpu())
+    if not names or not comm.carries_data(group):
+        return []
+    on = "cpu" if "cpu" in comm.served_device_types(group) else device
+    mine = torch.stack(stats)
+    both = torch.cat([mine, -mine], dim=1).to(on)  # max over ranks of (x, -x): the max and minus the min
+    comm.all_reduce(both, group, op="max")
+    both = both.cpu()
+    spread = both[:, :3] + both[:, 3:]  # max - min of each number
+    scale = both[:, 1].clamp_min(torch.finfo(torch.float32).tiny)  # the largest absolute sum
+    relative = torch.where(spread[:, 2] > 0, torch.inf, (spread[:, :2] / scale[:, None]).amax(dim=1))
+    apart = [(names[i], relative[i].item()) for i in range(len(names)) if relative[i] > rtol]
+    return sorted(apart, key=lambda item: -item[1])
+
+
+def _replicated_over_tp(t: torch.Tensor) -> bool:
+    """A plain tensor, or a DTensor whose placement on the ``"tensor_parallel"`` dim is ``Replicate`` (not a shard,
+    nor a pending sum: a partial gradient's local values differ by design)."""
+    if not isinstance(t, DTensor):
+        return True
+    names = t.device_mesh.mesh_dim_names or ()
+    return all(pl.is_replicate() for n, pl in zip(names, t.placements) if n == "tensor_parallel")
+
+
 def _states_differ(states: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether the generator states differ on some rank of ``group``: a max all-reduce of ``(d, -d)`` for a
     62-bit digest ``d`` of this rank's states, on the host when the group carries host tensors."""

@@ -166,6 +166,30 @@ def _redistribute(x: DTensor, layout: Placement) -> DTensor:
     return x if x.placements == _norm((layout,), x.ndim) else x.redistribute(x.device_mesh, (layout,))
 
 
+def _check_output_on_tp_mesh(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> None:
+    """An output on a larger mesh than the TP one the module's style was applied on comes from parameters still
+    sharded by ``fully_shard`` over the data-parallel dim too: the module ran where its FSDP unit's hooks did
+    not gather them. Redistributing it onto the TP mesh would fail with a placement-count error."""
+    if out.device_mesh == mesh:
+        return
+    held = [
+        f"{n} {list(p.placements)}"
+        for n, p in module.named_parameters(recurse=False)
+        if isinstance(p, DTensor) and p.device_mesh != mesh
+    ]
+    if not held:
+        return
+    raise RuntimeError(
+        f"{type(module).__name__} (tensor parallel): its output is a DTensor on the mesh "
+        f"{out.device_mesh.mesh_dim_names} {tuple(out.device_mesh.shape)}, not on the tensor-parallel mesh "
+        f"{mesh.mesh_dim_names} {tuple(mesh.shape)} its style was applied on: its parameters ({', '.join(held)}) "
+        "are still sharded by fully_shard. The module ran outside the forward of its fully_shard unit, whose hooks "
+        "gather them: a child called directly, or a custom autograd.Function whose backward recomputes its layers "
+        "(e.g. the reversible layers of Hugging Face's Reformer, ReformerLayer.backward_pass). Make the module "
+        "that calls it the unit instead (for Reformer fsdp_unit={ReformerEncoder}), or call the unit itself"
+    )
+
+
 def _norm(placements: tuple[Placement, ...], ndim: int) -> tuple[Placement, ...]:
     return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements)
 
@@ -238,6 +262,7 @@ def _shard_with_io_layouts(style, module: nn.Module, device_mesh: DeviceMesh) ->
         return tuple(rep(a) for a in args), {k: rep(v) for k, v in kwargs.items()}
 
     def prepare_output(mod, out, mesh):
+        _check_output_on_tp_mesh(mod, out, mesh)
         layout = style.output_layouts[0]
         if style.use_local_output and layout.is_shard() and not out.placements[0].is_shard():
             _check_even_output(mod, out, layout, mesh)

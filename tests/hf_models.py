@@ -408,6 +408,9 @@ FAMILIES: dict[str, tuple] = {
     "t5": (_t5, "seq2seq"),
     **{f: (lambda f=f: _decoder(f), "causal") for f in _DECODERS},
 }
+#: the families this module builds. Other modules add theirs to ``FAMILIES`` (tests/hf_models_decoders_recent.py
+#: on import); tests parametrized over this tuple collect the same cases whatever pytest imported before them.
+OWN_FAMILIES = tuple(FAMILIES)
 
 
 def build(family: str, seed: int = 0) -> nn.Module:

@@ -18,7 +18,7 @@ from tests.harness import distributed
 pytest.importorskip("transformers")
 
 # The newer decoder families (some parts replicated by design) run in tests/test_hf_decoders.py.
-FAMILIES = [f for f in hf_models.FAMILIES if f not in hf_models.DECODER_FAMILIES]
+FAMILIES = [f for f in hf_models.OWN_FAMILIES if f not in hf_models.DECODER_FAMILIES]
 STEPS = 3
 
 

@@ -34,6 +34,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``). Left replicated, with
   whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions)
   and an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+* An attention whose ``forward`` takes the width of all heads from elsewhere stays replicated, with the
+  reason: its output reshaped with its input's width (FSMT, ProphetNet, PEGASUS-X), or every head's
+  keys/values handed in as an argument and concatenated to its own (MVP's prompts).
 * Other Linear children of a sharded attention whose output width is the query's (DeBERTa-v2's
   ``pos_key_proj``) are ``ColwiseParallel`` like q. Training-mode dropout inside sharded modules is reported
   (summary line and warning): it acts on each rank's local columns, not as on one device.
@@ -246,9 +249,56 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
         )
         a.divide, a.head_norms, a.head_projections = [], [], []
         return a
+    blocker = _head_split_blocker_in_source(m)
+    if blocker is not None:
+        a.reason = f"{blocker}, left replicated"
+        a.divide, a.head_norms, a.head_projections, a.head_tables = [], [], [], []
+        return a
     a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables, *a.head_projections, *a.head_norms])
     a.sharded = True
     return a
+
+
+# Names a forward gives its input's last dim (the stream width): ``tgt_len, bsz, embed_dim = query.size()`` binds
+# its last name, ``hidden_dim=token_hidden_states.shape[2]`` / ``d = x.size(-1)`` one name.
+_UNPACKED_SHAPE = re.compile(r"^[ \t]*([\w \t,]+?)\s*=\s*(\w+)\.(?:size\(\)|shape)[ \t]*(?:#.*)?$", re.MULTILINE)
+_LAST_DIM = re.compile(r"\b(\w+)\s*=\s*(\w+)\.(?:shape\[(?:-1|2)\]|size\((?:-1|2)\))")
+_CAT_LIST = re.compile(r"torch\.cat\(([^\n]*)")  # the rest of the line: the tensors (indexed ones too)
+_CACHE_ARG = re.compile(r"past|cache|layer_past", re.IGNORECASE)
+
+
+def _head_split_blocker_in_source(m: nn.Module) -> str | None:
+    """Why the attention ``m``'s own ``forward`` cannot run on a share of the heads, from its source, or None.
+
+    Splitting the heads divides the head-count and width attributes the forward reshapes with; two ways of
+    writing it take the width of all heads from elsewhere:
+
+    * the output reshaped with the width of the forward's input (FSMT's ``tgt_len, bsz, embed_dim =
+      query.size()`` then ``view(tgt_len, bsz, embed_dim)``; ProphetNet's, PEGASUS-X's global-local attention):
+      each rank's heads are half of that width, a shape error in the first forward;
+    * a forward argument holding every head's keys or values concatenated to the keys/values (MVP's per-layer
+      ``attn_prompt``, made outside the attention): a rank's heads met all heads, a shape error.
+    """
+    forward = type(m).forward
+    src = _source(forward)
+    try:
+        args = [n for n in inspect.signature(forward).parameters if n != "self"]
+    except (TypeError, ValueError):
+        return None
+    widths = [(names.split(",")[-1].strip(), x) for names, x in _UNPACKED_SHAPE.findall(src) if x in args]
+    widths += [(name, x) for name, x in _LAST_DIM.findall(src) if x in args]
+    for name, x in widths:
+        if name and name != "_" and re.search(rf"\.(?:view|reshape)\([^()]*\b{name}\b", src):
+            return f"{type(m).__name__}.forward reshapes its output with the width of its input ({name} from {x})"
+    for items in _CAT_LIST.findall(src):
+        words = set(re.findall(r"\w+", items))
+        extra = [n for n in args[1:] if n in words and not _CACHE_ARG.search(n)]
+        if extra and any("key" in w or "value" in w for w in words - set(extra)):
+            return (
+                f"{type(m).__name__}.forward concatenates its argument {extra[0]} (every head's keys or values, "
+                "made outside the attention) to the keys/values"
+            )
+    return None
 
 
 def _per_head_norms(m: nn.Module, fqn: str, owned: list[str | None], head_dim: int) -> tuple[list[str], list[str]]:

@@ -32,8 +32,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   class source reduces over a dim (``mean``, ``std``, ``topk``, ...: the split hidden activations).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
   what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``). Left replicated, with
-  whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions)
-  and an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+  whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions),
+  an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``), and one tied
+  to a module whose parent reads that module's weight (MobileBERT's LM head concatenates its decoder's).
 * An attention whose ``forward`` takes the width of all heads from elsewhere stays replicated, with the
   reason: its output reshaped with its input's width (FSMT, ProphetNet, PEGASUS-X), or every head's
   keys/values handed in as an argument and concatenated to its own (MVP's prompts).
@@ -551,13 +552,29 @@ def _embedding_unshardable(fqn: str, modules: dict[str, nn.Module]) -> str | Non
         )
         if not passes:
             return f"{type(m).__name__}.forward does not pass its input straight to the embedding lookup"
+    return _weight_read_directly(fqn, modules)
+
+
+def _weight_read_directly(fqn: str, modules: dict[str, nn.Module], *, values: bool = False) -> str | None:
+    """Whether the module holding ``fqn`` reads ``self.<name>.weight`` in its code (DeBERTa-v2's
+    ``rel_embeddings``; MobileBERT's LM head ``torch.cat([self.decoder.weight.t(), self.dense.weight])``, its
+    decoder tied to the token embedding): that code meets the weight as it is, a shard where a style split it.
+    ``values=True`` ignores reads of its metadata only (Mamba's ``.to(self.lm_head.weight.dtype)``) and the
+    assignment that ties it (``self.lm_head.weight = self.wte.weight`` in ``__init__``)."""
     parent, _, name = fqn.rpartition(".")
     owner = modules.get(parent)
+    after = _METADATA_NOT_NEXT if values else ""
     if owner is not None and any(
-        re.search(rf"self\.{name}\.weight\b", _source(cls)) for cls in type(owner).__mro__ if cls is not nn.Module
+        re.search(rf"self\.{name}\.weight\b{after}", _source(cls))
+        for cls in type(owner).__mro__
+        if cls is not nn.Module
     ):
         return f"{type(owner).__name__} reads self.{name}.weight directly"
     return None
+
+
+# Reading a weight's metadata (Mamba's ``hidden_states.to(self.lm_head.weight.dtype)``) does not use its values.
+_METADATA_NOT_NEXT = r"(?!\.(?:dtype|device|shape|ndim|size\(|requires_grad|is_meta)|\s*=[^=])"
 
 
 def _first_arg(m: nn.Module) -> str | None:
@@ -792,6 +809,10 @@ def auto_tp_plan(
     # Embeddings a vocabulary-parallel style cannot serve (their own forward looks up indices it computes, or
     # their weight is read directly), and everything sharing their weight, stay replicated.
     unshardable = {e: why for e in embeddings if (why := _embedding_unshardable(e, modules))}
+    for f, m in modules.items():  # a module tied to an embedding whose weight its owner's code reads
+        emb = next((e for e in embeddings if e != f and getattr(m, "weight", None) is modules[e].weight), None)
+        if emb is not None and emb not in unshardable and (why := _weight_read_directly(f, modules, values=True)):
+            unshardable[emb] = f"its weight is tied to {f}, and {why}"
     kept_weights = {id(modules[e].weight): e for e in unshardable}
     for e in embeddings:
         if e not in unshardable and id(modules[e].weight) in kept_weights:

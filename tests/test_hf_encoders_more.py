@@ -114,8 +114,6 @@ DEFAULT = ["xmod", "mobilebert", "fsmt"]
 # in: the first step raises the engine's error naming the parameter (docs/huggingface.md)
 NOT_TRAINED = ["squeezebert"]
 MORE = [f for f in E.FAMILIES if f not in DEFAULT + NOT_TRAINED]
-# A shape or stride error in the first forward under the automatic TP plan
-TP_CRASHES = ["prophetnet"]
 
 
 @distributed(world_size=2)
@@ -138,6 +136,14 @@ def test_tp_prompt_keys_made_outside_the_attention_matches_one_process():
     _compare("mvp", tp=2)
 
 
+@distributed(world_size=2)
+def test_tp_ngram_stream_view_into_the_lm_head_matches_one_process():
+    """ProphetNet's attention reshapes with its input's width (left replicated, as FSMT's), and its LM head reads
+    the n-gram streams as ``hidden_states[:, T:].view(B, 2, T, -1)``, a view with gaps: made a DTensor with dense
+    strides, the head's ``reshape`` took it for a view, which the local tensor refused."""
+    _compare("prophetnet", tp=2)
+
+
 @pytest.mark.slow
 @distributed(world_size=2)
 def test_fsdp_trainer_more_families_match_one_process():
@@ -149,8 +155,7 @@ def test_fsdp_trainer_more_families_match_one_process():
 @distributed(world_size=2)
 def test_tp_trainer_more_families_match_one_process():
     for family in MORE:
-        if family not in TP_CRASHES:
-            _compare(family, tp=2)
+        _compare(family, tp=2)
 
 
 class _RouterJitter:
@@ -181,6 +186,35 @@ def test_tp_router_jitter_matches_one_process():
     """Under TP the router runs replicated on the all-reduced hidden states: every rank draws the jitter one
     process draws (the same seed), so the experts each rank routes to agree and the result is one process's."""
     _fit_and_compare("switch_transformers", tp=2, models=_RouterJitter)
+
+
+@distributed(world_size=2)
+def test_colwise_head_on_a_view_with_gaps_matches_one_process():
+    """A column-parallel LM head on a replicated 4-D input that is a view with gaps (a slice, then a view):
+    ``F.linear`` reshapes it to 2-D, which must copy, as on one device."""
+    import torch
+
+    from lightning_shard import init_device_mesh
+    from lightning_shard.tensor import DTensor, Replicate
+    from lightning_shard.tp import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    head, ref = torch.nn.Linear(8, 6), None
+    ref = torch.nn.Linear(8, 6)
+    ref.load_state_dict(head.state_dict())
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    parallelize_module(head, mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    x = torch.randn(2, 9, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    streams = x[:, 3:].view(2, 2, 3, 8)  # strides (72, 24, 8, 1): every row skips the first 3 positions
+    out = head(streams)
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    want = ref(x_ref[:, 3:].view(2, 2, 3, 8))
+    torch.testing.assert_close(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(head.weight.grad.full_tensor(), ref.weight.grad)
 
 
 # ------------------------------------------------------------------------------------------------ measurement

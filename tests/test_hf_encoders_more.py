@@ -163,6 +163,15 @@ def test_tp_trainer_more_families_match_one_process():
         _compare(family, tp=2)
 
 
+@pytest.mark.slow
+@distributed(world_size=4)
+def test_fsdp2_x_tp2_matches_one_process():
+    """FSDP 2 x TP 2 (4 ranks): experts as Linear MLPs (Switch Transformers), gated-GELU T5 (mT5), language
+    adapters (X-MOD), the n-gram streams' view (ProphetNet)."""
+    for family in ["switch_transformers", "mt5", "xmod", "prophetnet"]:
+        _compare(family, tp=2)
+
+
 class _RouterJitter:
     """``tests/hf_models_encoders_more.py`` with Switch Transformers' router jitter on (0.1: the router's input is
     scaled by uniform noise in training mode), the random stream seeded from each batch before its forward, so the

@@ -133,6 +133,7 @@ def test_fsdp_layers_run_by_their_forward_method_match_one_process():
     _compare("squeezebert", tp=1)
 
 
+@pytest.mark.slow  # by default: MVP's plan and its reason line
 @distributed(world_size=2)
 def test_tp_prompt_keys_made_outside_the_attention_matches_one_process():
     """MVP's per-layer prompts (an embedding and an MLP in each stack) hold every head's keys and values, which
@@ -141,6 +142,7 @@ def test_tp_prompt_keys_made_outside_the_attention_matches_one_process():
     _compare("mvp", tp=2)
 
 
+@pytest.mark.slow  # by default: ProphetNet's plan, and a column-parallel head on a view with gaps (below)
 @distributed(world_size=2)
 def test_tp_ngram_stream_view_into_the_lm_head_matches_one_process():
     """ProphetNet's attention reshapes with its input's width (left replicated, as FSMT's), and its LM head reads

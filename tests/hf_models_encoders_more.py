@@ -302,6 +302,13 @@ def _gte():
     return _hf("GteConfig", "GteForMaskedLM", **_bert_sizes(), pad_token_id=0)
 
 
+def _big_bird_block_sparse():
+    # block-sparse attention: blocks of 2 tokens, 1 random block per row drawn for each head from np.random seeded
+    # per layer; it needs (5 + 2 * random blocks) * block size < the sequence length (16 tokens here)
+    return _hf("BigBirdConfig", "BigBirdForMaskedLM", **_bert_sizes(attention_type="block_sparse", block_size=2,
+               num_random_blocks=1), pad_token_id=0)  # fmt: skip
+
+
 def _eurobert():
     # a Llama-style bidirectional encoder: GQA, RMSNorm, SwiGLU MLP, rotary
     return _hf("EuroBertConfig", "EuroBertForMaskedLM", vocab_size=VOCAB, hidden_size=HIDDEN,
@@ -350,7 +357,9 @@ FAMILIES: dict[str, tuple] = {
     "nomic_bert": (_nomic_bert, "masked"),
     "gte": (_gte, "masked"),
     "eurobert": (_eurobert, "masked"),
+    "big_bird_block_sparse": (_big_bird_block_sparse, "masked"),
 }
+SEQ_OF = {"big_bird_block_sparse": 16}  # families that need longer rows than SEQ
 
 
 def build(family: str, seed: int = 0) -> nn.Module:
@@ -366,12 +375,13 @@ def build(family: str, seed: int = 0) -> nn.Module:
     return model.float().train()
 
 
-def inputs(family: str, rows: int = 2, seq: int = SEQ, seed: int = 1) -> dict[str, torch.Tensor]:
+def inputs(family: str, rows: int = 2, seq: int | None = None, seed: int = 1) -> dict[str, torch.Tensor]:
     """Keyword inputs (``labels`` included) for ``rows`` examples of ``family``, the same on every rank.
 
     Example: ``build("xmod")(**inputs("xmod")).loss`` -> a scalar.
     """
     kind = FAMILIES[family][1]
+    seq = seq or SEQ_OF.get(family, SEQ)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, VOCAB - 2, (rows, seq), generator=g)  # no pad/eos/bos/mask, no image tokens
     if kind == "causal":

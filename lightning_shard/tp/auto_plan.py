@@ -37,7 +37,9 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   to a module whose parent reads that module's weight (MobileBERT's LM head concatenates its decoder's).
 * An attention whose ``forward`` takes the width of all heads from elsewhere stays replicated, with the
   reason: its output reshaped with its input's width (FSMT, ProphetNet, PEGASUS-X), or every head's
-  keys/values handed in as an argument and concatenated to its own (MVP's prompts).
+  keys/values handed in as an argument and concatenated to its own (MVP's prompts); so does one that draws
+  random numbers in its own code (BigBird's block-sparse random blocks, drawn per head: split, every rank drew
+  the first heads' blocks, silently not one device's).
 * Other Linear children of a sharded attention whose output width is the query's (DeBERTa-v2's
   ``pos_key_proj``) are ``ColwiseParallel`` like q. Training-mode dropout inside sharded modules is reported
   (summary line and warning): it acts on each rank's local columns, not as on one device.
@@ -266,6 +268,24 @@ _UNPACKED_SHAPE = re.compile(r"^[ \t]*([\w \t,]+?)\s*=\s*(\w+)\.(?:size\(\)|shap
 _LAST_DIM = re.compile(r"\b(\w+)\s*=\s*(\w+)\.(?:shape\[(?:-1|2)\]|size\((?:-1|2)\))")
 _CAT_LIST = re.compile(r"torch\.cat\(([^\n]*)")  # the rest of the line: the tensors (indexed ones too)
 _CACHE_ARG = re.compile(r"past|cache|layer_past", re.IGNORECASE)
+# A random draw in code (not an initialiser's ``nn.init.*_`` call, which runs in ``__init__``/``reset_parameters``)
+_RANDOM_DRAW = re.compile(
+    r"\b(?:np|numpy)\.random\.\w+|\btorch\.(?:rand|randn|randint|randperm|rand_like|randn_like|multinomial|bernoulli)\("
+)
+_INIT_METHODS = {"__init__", "reset_parameters", "_init_weights", "_reset_parameters"}
+
+
+def _code_beyond_init(cls: type) -> str:
+    """The source of ``cls``'s own methods and its bases' (not ``nn.Module``'s), initialisers left out."""
+    parts = []
+    for c in cls.__mro__:
+        if c in (nn.Module, object):
+            continue
+        for name, f in vars(c).items():
+            f = getattr(f, "__func__", f)  # a staticmethod's or classmethod's function
+            if inspect.isfunction(f) and name not in _INIT_METHODS:
+                parts.append(_source(f))
+    return "\n".join(parts)
 
 
 def _head_split_blocker_in_source(m: nn.Module) -> str | None:
@@ -279,6 +299,12 @@ def _head_split_blocker_in_source(m: nn.Module) -> str | None:
       each rank's heads are half of that width, a shape error in the first forward;
     * a forward argument holding every head's keys or values concatenated to the keys/values (MVP's per-layer
       ``attn_prompt``, made outside the attention): a rank's heads met all heads, a shape error.
+
+    A third is silent: an attention drawing random numbers in its own code (BigBird's block-sparse attention
+    draws each head's random blocks from ``np.random`` seeded per layer): on a share of the heads every rank drew
+    the first heads' patterns, so ranks past the first attended to other blocks than one device, with no error
+    (BigBird: 1.6e-4 off one process after 3 steps). Dropout (``nn.functional.dropout``) is not such a draw; the
+    plan reports it (``_note_dropout``).
     """
     forward = type(m).forward
     src = _source(forward)
@@ -291,6 +317,12 @@ def _head_split_blocker_in_source(m: nn.Module) -> str | None:
     for name, x in widths:
         if name and name != "_" and re.search(rf"\.(?:view|reshape)\([^()]*\b{name}\b", src):
             return f"{type(m).__name__}.forward reshapes its output with the width of its input ({name} from {x})"
+    draws = _RANDOM_DRAW.search(_code_beyond_init(type(m)))
+    if draws:
+        return (
+            f"{type(m).__name__} draws random numbers in its code ({draws.group(0).rstrip('(')}): drawn per head on a "
+            "share of the heads, each rank would repeat the first heads' draws instead of one device's"
+        )
     for items in _CAT_LIST.findall(src):
         words = set(re.findall(r"\w+", items))
         extra = [n for n in args[1:] if n in words and not _CACHE_ARG.search(n)]

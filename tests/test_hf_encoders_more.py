@@ -199,6 +199,7 @@ class _RouterJitter:
         return E.loss_of(model, batch)
 
 
+@pytest.mark.slow
 @distributed(world_size=2)
 def test_tp_router_jitter_matches_one_process():
     """Under TP the router runs replicated on the all-reduced hidden states: every rank draws the jitter one

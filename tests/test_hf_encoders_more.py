@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import strategies  # noqa: F401 - registers "shard_fsdp_tp"
@@ -213,6 +214,27 @@ def test_tp_random_blocks_drawn_per_head_match_one_process():
     the heads split, every rank drew the first heads' blocks: rank 1's heads attended to other blocks than on one
     device, with no error (1.6e-4 off one process after 3 steps). The attention stays replicated."""
     _compare("big_bird_block_sparse", tp=2)
+
+
+@distributed(world_size=2)
+def test_tp_loss_parallel_with_a_bias_added_to_the_logits_matches_one_process():
+    """Marian (as BART, PEGASUS, Blenderbot, PLBart, MVP) adds ``final_logits_bias`` (1, vocab), a plain buffer, to
+    its LM head's output in its own forward. Under the strategy's ``loss_parallel=True`` the head returned
+    vocabulary-sharded logits, and the addition raised in the first step. Such a head gathers its logits instead
+    (the summary says why); the loss is one process's."""
+    import tests.test_hf_extra as T
+    from strategies import ShardFSDPTPStrategy
+    from tests.test_strategy import _trainer
+
+    module = T._lit("marian", "sgd", E)
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    strategy = ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True)
+    _trainer(strategy=strategy, max_steps=T.STEPS).fit(module)
+    ref, _ = T._reference("marian", 1, "sgd", E)
+    assert max((ref[n] - initial[n]).abs().max().item() for n in ref) > 1e-3
+    for n, p in module.model.named_parameters():
+        got = T._full(p.detach())
+        torch.testing.assert_close(got, ref[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"marian {n}: {m}")
 
 
 @distributed(world_size=2)

@@ -46,7 +46,8 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
   ``out_features`` is an embedding's vocabulary: ``ColwiseParallel``, output ``Replicate()`` or, with
   ``loss_parallel=True``, ``LossParallelHead``: a ``Shard(-1)`` DTensor inside :func:`loss_parallel`, the full
-  logits, plain, outside it.
+  logits, plain, outside it; gathered still where the head's parent holds a per-vocabulary tensor that the model's
+  code applies to the logits as a plain tensor (BART's and Marian's ``final_logits_bias``).
 * Sequence parallel (``sequence_parallel=True``): norms in and around the blocks get
   ``SequenceParallel(use_local_output=True)``, embeddings reduce-scatter to the sequence dim (``Shard(-2)``:
   dim 1 of ``(B, T, C)``, dim 0 of a ``(T, C)`` positional lookup), attention and MLP modules gather their
@@ -1022,7 +1023,8 @@ def auto_tp_plan(
         d_in, d_out = linear_dims(m)
         if f in heads:
             head_input = seq if sp else Replicate()
-            if loss_parallel:
+            beside = _per_vocabulary_tensor_beside(f, modules, d_out) if loss_parallel else None
+            if loss_parallel and beside is None:
                 add(f, LossParallelHead(input_layouts=head_input))
             else:
                 add(f, ColwiseParallel(input_layouts=head_input, output_layouts=Replicate()))
@@ -1033,9 +1035,14 @@ def auto_tp_plan(
             )
             out = (
                 "vocab-sharded DTensor logits inside loss_parallel(), gathered outside it"
-                if loss_parallel
+                if loss_parallel and beside is None
                 else "logits gathered"
             )
+            if beside is not None:
+                out += (
+                    f"; no loss parallelism: {beside}, a per-vocabulary tensor beside the head that the model's "
+                    "code applies to the logits as a plain tensor"
+                )
             lines.append(f"{f}: ColwiseParallel (LM head, {d_out} classes{tie}; {out})")
         elif f in in_block:
             lines.append(
@@ -1050,6 +1057,24 @@ def auto_tp_plan(
     _note_dropout(modules, [a.fqn for a in attns.values() if a.sharded and len(a.q) > 1], mlps, lines)
     final = {k: (v[0] if len(v) == 1 else tuple(v)) for k, v in plan.items()}
     return (final, lines) if return_summary else final
+
+
+def _per_vocabulary_tensor_beside(fqn: str, modules: dict[str, nn.Module], vocab: int) -> str | None:
+    """A buffer or parameter of the LM head ``fqn``'s parent with one value per vocabulary entry (BART's, Marian's
+    and PEGASUS's ``final_logits_bias`` of shape ``(1, vocab)``, added to the head's output in the model's
+    forward), as ``"name (shape)"``, else None. Vocabulary-sharded logits met it as a plain tensor: an error in
+    the first step under ``loss_parallel``."""
+    parent = modules.get(fqn.rpartition(".")[0])
+    if parent is None:
+        return None
+    head_own = {id(t) for t in modules[fqn].parameters()}  # BERT's prediction bias is the decoder's own bias
+    owned = [*parent.named_buffers(recurse=False), *parent.named_parameters(recurse=False)]
+    for name, t in owned:
+        if t is None or id(t) in head_own:
+            continue
+        if t.ndim >= 1 and t.shape[-1] == vocab and t.numel() == vocab:
+            return f"{name} {tuple(t.shape)}"
+    return None
 
 
 def _dropout_p(m: nn.Module) -> float:

@@ -43,20 +43,20 @@ def _optimizer(params, kind: str):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def _lit(family: str, optimizer: str = "sgd"):
+def _lit(family: str, optimizer: str = "sgd", models=X):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    train = X.inputs(family, ROWS, seed=1)
+    train = models.inputs(family, ROWS, seed=1)
     keys = [k for k, v in train.items() if isinstance(v, torch.Tensor)]
 
     class LitExtra(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = X.build(family)
+            self.model = models.build(family)
 
         def training_step(self, batch, batch_idx):
-            return X.loss_of(self.model, dict(zip(keys, batch)))
+            return models.loss_of(self.model, dict(zip(keys, batch)))
 
         def configure_optimizers(self):
             return _optimizer(self.parameters(), optimizer)
@@ -67,46 +67,47 @@ def _lit(family: str, optimizer: str = "sgd"):
     return LitExtra()
 
 
-def _reference(family: str, dp: int, optimizer: str = "sgd"):
+def _reference(family: str, dp: int, optimizer: str = "sgd", models=X):
     """One process, torch FSDP2 / DDP semantics over ``dp`` ranks: per step, the mean of the ranks' losses on
     their parts of the global batch; each rank's buffers (BatchNorm running statistics) updated by its parts only.
     Returns ``(params, [buffers of rank r])``."""
     from tests.lightning_models import sampler_batches
 
-    model = X.build(family)
+    model = models.build(family)
     opt = _optimizer(model.parameters(), optimizer)
-    data = X.inputs(family, ROWS, seed=1)
+    data = models.inputs(family, ROWS, seed=1)
     buffers = [{n: b.clone() for n, b in model.named_buffers()} for _ in range(dp)]
     for idx in sampler_batches(dp, PER_RANK, n=ROWS)[:STEPS]:
         for r in range(dp):
             with torch.no_grad():
                 for n, b in model.named_buffers():
                     b.copy_(buffers[r][n])
-            (X.loss_of(model, X.select(data, idx[r * PER_RANK : (r + 1) * PER_RANK])) / dp).backward()
+            (models.loss_of(model, models.select(data, idx[r * PER_RANK : (r + 1) * PER_RANK])) / dp).backward()
             buffers[r] = {n: b.clone() for n, b in model.named_buffers()}
         opt.step()
         opt.zero_grad()
     return {n: p.detach() for n, p in model.named_parameters()}, buffers
 
 
-def _fit(family: str, tp: int, optimizer: str = "sgd"):
+def _fit(family: str, tp: int, optimizer: str = "sgd", models=X):
 
     from strategies import ShardFSDPTPStrategy
 
-    module = _lit(family, optimizer)
+    module = _lit(family, optimizer, models)
     initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = _trainer(strategy=ShardFSDPTPStrategy(tensor_parallel_size=tp), max_steps=STEPS)
     trainer.fit(module)
     return module, trainer, initial
 
 
-def _fit_and_compare(family: str, tp: int = 1, optimizer: str = "sgd") -> float:
-    """Train ``family`` through the Trainer (FSDP 2, or TP 2 with ``tp=2``) and compare every parameter (and
+def _fit_and_compare(family: str, tp: int = 1, optimizer: str = "sgd", models=X) -> float:
+    """Train ``family`` of ``models`` (a module with ``tests/hf_models_extra.py``'s ``build``, ``inputs``,
+    ``loss_of`` and ``select``) through the Trainer (FSDP 2, or TP 2 with ``tp=2``) and compare every parameter (and
     buffer) with the reference; returns the largest parameter difference."""
     world = dist.get_world_size()
     dp = world // tp
-    module, trainer, initial = _fit(family, tp, optimizer)
-    ref, ref_buffers = _reference(family, dp, optimizer)
+    module, trainer, initial = _fit(family, tp, optimizer, models)
+    ref, ref_buffers = _reference(family, dp, optimizer, models)
     ours = dict(module.model.named_parameters())
     assert list(ours) == list(ref), family  # nothing untied or lost
     assert all(isinstance(p, DTensor) for p in ours.values()), family
@@ -125,11 +126,11 @@ def _fit_and_compare(family: str, tp: int = 1, optimizer: str = "sgd") -> float:
     return worst
 
 
-def _coverage(family: str) -> str:
+def _coverage(family: str, models=X) -> str:
     from lightning_shard.tp import auto_tp_plan
     from lightning_shard.tp.coverage import tp_coverage
 
-    model = X.build(family)
+    model = models.build(family)
     plan, summary = auto_tp_plan(model, 2, return_summary=True)
     return f"{100 * tp_coverage(model, plan, summary).sharded_fraction:.0f}%"
 

@@ -21,6 +21,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -35,7 +38,8 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
     instances, the one with the most parameters per instance (the outer block when blocks nest). A class that
     a Hugging Face model names in ``_no_split_modules`` (its transformer layer) wins over that size rule, so
     that a model built of two stacks of layers (T5's encoder and decoder are two ``T5Stack`` instances) is
-    wrapped per layer, not per stack.
+    wrapped per layer, not per stack. A class some instance of which its parent calls as ``child.forward(...)``
+    (``called_without_hooks``) is no candidate: a unit there would never gather its parameters.
 
     Example: ``find_repeated_blocks(llama)`` -> the ``LlamaBlock`` modules, in module order;
     ``find_repeated_blocks(t5)`` -> the ``T5Block`` modules of both stacks.
@@ -47,11 +51,48 @@ def find_repeated_blocks(model: nn.Module) -> list[nn.Module]:
             continue
         counts[type(m)] += 1
         sizes[type(m)] = sum(p.numel() for p in m.parameters())
-    candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0]
+    skipped = {type(m) for m in called_without_hooks(model)}
+    candidates = [cls for cls, n in counts.items() if n >= 2 and sizes[cls] > 0 and cls not in skipped]
     declared = _declared_layer_names(model)
     named = [cls for cls in candidates if cls.__name__ in declared]
     block = max(named or candidates, key=lambda cls: sizes[cls], default=None)
     return [m for m in model.modules() if block is not None and type(m) is block and m is not model]
+
+
+# ``self.layer.forward(x)`` names the child; ``layer.forward(x)`` (a loop variable) one of a container's elements.
+_ATTR_FORWARD = re.compile(r"self\.(\w+)\.forward\(")
+_NAME_FORWARD = re.compile(r"(?<![.\w])(?!self\b|super\b)(\w+)\.forward\(")
+
+
+def called_without_hooks(model: nn.Module) -> list[nn.Module]:
+    """Modules their parent's code calls as ``child.forward(...)`` rather than ``child(...)``: no module hook runs,
+    so an FSDP unit there would never gather its parameters (SqueezeBERT's encoder runs
+    ``layer.forward(hidden_states, ...)`` over its layers). Found in the parent's class source: the child named by
+    ``self.<name>.forward(``, or, for a plain name (a loop variable), every element of the parent's containers.
+
+    Example: ``called_without_hooks(squeezebert)`` -> the ``SqueezeBertModule`` layers of its encoder.
+    """
+    found: list[nn.Module] = []
+    for parent in model.modules():
+        source = "".join(_class_source(cls) for cls in type(parent).__mro__ if cls not in (nn.Module, object))
+        if ".forward(" not in source:
+            continue
+        children = dict(parent.named_children())
+        for name in _ATTR_FORWARD.findall(source):
+            child = children.get(name)
+            if child is not None:
+                found.extend(child.children() if isinstance(child, _CONTAINERS) else [child])
+        if _NAME_FORWARD.search(source):
+            found.extend(m for c in children.values() if isinstance(c, _CONTAINERS) for m in c.children())
+    return found
+
+
+@functools.cache
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
 
 
 def _declared_layer_names(model: nn.Module) -> set[str]:

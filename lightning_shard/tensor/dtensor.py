@@ -256,7 +256,12 @@ class DTensor(torch.Tensor):
 
 
 def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
-    """Contiguous strides of ``shape`` in the same dim order as ``local``'s memory layout."""
+    """Contiguous strides of ``shape`` in the same dim order as ``local``'s memory layout; ``local``'s own strides
+    when it is the whole tensor (``shape`` is its shape) and a view with gaps, as torch's ``from_local`` keeps them.
+
+    A view with gaps (ProphetNet's n-gram stream ``hidden_states[:, T:].view(B, 2, T, -1)``, handed to a TP LM
+    head as a replicated input) declared dense would let ``reshape`` (inside ``F.linear`` on 3+ dims) take it for
+    a view, which the local tensor then refuses with a stride error."""
     if local.ndim == 0:
         return ()
     order = sorted(range(local.ndim), key=lambda d: (local.stride(d), local.shape[d]), reverse=True)
@@ -264,7 +269,14 @@ def _global_stride(local: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     for d in reversed(order):
         stride[d] = acc
         acc *= max(shape[d], 1)
+    if tuple(shape) == tuple(local.shape) and _has_gaps(local, stride):
+        return tuple(local.stride())
     return tuple(stride)
+
+
+def _has_gaps(local: torch.Tensor, dense: list[int]) -> bool:
+    """Whether ``local``'s strides differ from the ``dense`` ones of its own shape on a dim of size > 1."""
+    return any(n > 1 and s != d for n, s, d in zip(local.shape, local.stride(), dense))
 
 
 def _check_local_shapes(local: torch.Tensor, spec: DTensorSpec) -> None:

@@ -34,17 +34,24 @@ or Hugging Face's ``Conv1D`` (GPT-2; weight stored ``(in, out)``), recognised by
   class source reduces over a dim (``mean``, ``std``, ``topk``, ...: the split hidden activations).
 * Embeddings (token, positional, token type): ``RowwiseParallel`` (vocabulary-parallel rows); this is also
   what keeps a tied LM head consistent (both place the shared weight ``Shard(0)``). Left replicated, with
-  whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions)
-  and an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``).
+  whatever shares its weight: a subclass whose ``forward`` computes its own indices (BART's learned positions),
+  an embedding whose parent reads ``self.<name>.weight`` (DeBERTa-v2's ``rel_embeddings``), and one tied
+  to a module whose parent reads that module's weight (MobileBERT's LM head concatenates its decoder's).
+* An attention whose ``forward`` takes the width of all heads from elsewhere stays replicated, with the
+  reason: its output reshaped with its input's width (FSMT, ProphetNet, PEGASUS-X), or every head's
+  keys/values handed in as an argument and concatenated to its own (MVP's prompts); so does one that draws
+  random numbers in its own code (BigBird's block-sparse random blocks, drawn per head: split, every rank drew
+  the first heads' blocks, silently not one device's).
 * Other Linear children of a sharded attention whose output width is the query's (DeBERTa-v2's
   ``pos_key_proj``) are ``ColwiseParallel`` like q. Training-mode dropout inside sharded modules is reported
   (summary line and warning): it acts on each rank's local columns, not as on one device.
 * LM head: an ``nn.Linear`` outside the blocks whose weight is tied to an embedding or whose
   ``out_features`` is an embedding's vocabulary: ``ColwiseParallel``, output ``Replicate()`` or, with
   ``loss_parallel=True``, ``LossParallelHead``: a ``Shard(-1)`` DTensor inside :func:`loss_parallel`, the full
-  logits, plain, outside it. The blocks are the layers of an ``nn.ModuleList`` holding a recognised attention
-  or MLP, and the other layers of the same class in that list (Reformer's LSH-attention layer, whose attention
-  is not recognised, beside a local-attention one).
+  logits, plain, outside it; gathered still where the head's parent holds a per-vocabulary tensor that the model's
+  code applies to the logits as a plain tensor (BART's and Marian's ``final_logits_bias``). The blocks are the
+  layers of an ``nn.ModuleList`` holding a recognised attention or MLP, and the other layers of the same class in
+  that list (Reformer's LSH-attention layer, whose attention is not recognised, beside a local-attention one).
 * Sequence parallel (``sequence_parallel=True``): norms in and around the blocks get
   ``SequenceParallel(use_local_output=True)``, embeddings reduce-scatter to the sequence dim (``Shard(-2)``:
   dim 1 of ``(B, T, C)``, dim 0 of a ``(T, C)`` positional lookup), attention and MLP modules gather their
@@ -250,9 +257,86 @@ def _find_attention(fqn: str, m: nn.Module, tp: int, modules: dict[str, nn.Modul
         )
         a.divide, a.head_norms, a.head_projections = [], [], []
         return a
+    blocker = _head_split_blocker_in_source(m)
+    if blocker is not None:
+        a.reason = f"{blocker}, left replicated"
+        a.divide, a.head_norms, a.head_projections, a.head_tables = [], [], [], []
+        return a
     a.whole_module = _holds_only(m, fqn, [*a.q, a.o, *a.head_tables, *a.head_projections, *a.head_norms])
     a.sharded = True
     return a
+
+
+# Names a forward gives its input's last dim (the stream width): ``tgt_len, bsz, embed_dim = query.size()`` binds
+# its last name, ``hidden_dim=token_hidden_states.shape[2]`` / ``d = x.size(-1)`` one name.
+_UNPACKED_SHAPE = re.compile(r"^[ \t]*([\w \t,]+?)\s*=\s*(\w+)\.(?:size\(\)|shape)[ \t]*(?:#.*)?$", re.MULTILINE)
+_LAST_DIM = re.compile(r"\b(\w+)\s*=\s*(\w+)\.(?:shape\[(?:-1|2)\]|size\((?:-1|2)\))")
+_CAT_LIST = re.compile(r"torch\.cat\(([^\n]*)")  # the rest of the line: the tensors (indexed ones too)
+_CACHE_ARG = re.compile(r"past|cache|layer_past", re.IGNORECASE)
+# A random draw in code (not an initialiser's ``nn.init.*_`` call, which runs in ``__init__``/``reset_parameters``)
+_RANDOM_DRAW = re.compile(
+    r"\b(?:np|numpy)\.random\.\w+|\btorch\.(?:rand|randn|randint|randperm|rand_like|randn_like|multinomial|bernoulli)\("
+)
+_INIT_METHODS = {"__init__", "reset_parameters", "_init_weights", "_reset_parameters"}
+
+
+def _code_beyond_init(cls: type) -> str:
+    """The source of ``cls``'s own methods and its bases' (not ``nn.Module``'s), initialisers left out."""
+    parts = []
+    for c in cls.__mro__:
+        if c in (nn.Module, object):
+            continue
+        for name, f in vars(c).items():
+            f = getattr(f, "__func__", f)  # a staticmethod's or classmethod's function
+            if inspect.isfunction(f) and name not in _INIT_METHODS:
+                parts.append(_source(f))
+    return "\n".join(parts)
+
+
+def _head_split_blocker_in_source(m: nn.Module) -> str | None:
+    """Why the attention ``m``'s own ``forward`` cannot run on a share of the heads, from its source, or None.
+
+    Splitting the heads divides the head-count and width attributes the forward reshapes with; two ways of
+    writing it take the width of all heads from elsewhere:
+
+    * the output reshaped with the width of the forward's input (FSMT's ``tgt_len, bsz, embed_dim =
+      query.size()`` then ``view(tgt_len, bsz, embed_dim)``; ProphetNet's, PEGASUS-X's global-local attention):
+      each rank's heads are half of that width, a shape error in the first forward;
+    * a forward argument holding every head's keys or values concatenated to the keys/values (MVP's per-layer
+      ``attn_prompt``, made outside the attention): a rank's heads met all heads, a shape error.
+
+    A third is silent: an attention drawing random numbers in its own code (BigBird's block-sparse attention
+    draws each head's random blocks from ``np.random`` seeded per layer): on a share of the heads every rank drew
+    the first heads' patterns, so ranks past the first attended to other blocks than one device, with no error
+    (BigBird: 1.6e-4 off one process after 3 steps). Dropout (``nn.functional.dropout``) is not such a draw; the
+    plan reports it (``_note_dropout``).
+    """
+    forward = type(m).forward
+    src = _source(forward)
+    try:
+        args = [n for n in inspect.signature(forward).parameters if n != "self"]
+    except (TypeError, ValueError):
+        return None
+    widths = [(names.split(",")[-1].strip(), x) for names, x in _UNPACKED_SHAPE.findall(src) if x in args]
+    widths += [(name, x) for name, x in _LAST_DIM.findall(src) if x in args]
+    for name, x in widths:
+        if name and name != "_" and re.search(rf"\.(?:view|reshape)\([^()]*\b{name}\b", src):
+            return f"{type(m).__name__}.forward reshapes its output with the width of its input ({name} from {x})"
+    draws = _RANDOM_DRAW.search(_code_beyond_init(type(m)))
+    if draws:
+        return (
+            f"{type(m).__name__} draws random numbers in its code ({draws.group(0).rstrip('(')}): drawn per head on a "
+            "share of the heads, each rank would repeat the first heads' draws instead of one device's"
+        )
+    for items in _CAT_LIST.findall(src):
+        words = set(re.findall(r"\w+", items))
+        extra = [n for n in args[1:] if n in words and not _CACHE_ARG.search(n)]
+        if extra and any("key" in w or "value" in w for w in words - set(extra)):
+            return (
+                f"{type(m).__name__}.forward concatenates its argument {extra[0]} (every head's keys or values, "
+                "made outside the attention) to the keys/values"
+            )
+    return None
 
 
 def _per_head_norms(m: nn.Module, fqn: str, owned: list[str | None], head_dim: int) -> tuple[list[str], list[str]]:
@@ -523,13 +607,29 @@ def _embedding_unshardable(fqn: str, modules: dict[str, nn.Module]) -> str | Non
         )
         if not passes:
             return f"{type(m).__name__}.forward does not pass its input straight to the embedding lookup"
+    return _weight_read_directly(fqn, modules)
+
+
+def _weight_read_directly(fqn: str, modules: dict[str, nn.Module], *, values: bool = False) -> str | None:
+    """Whether the module holding ``fqn`` reads ``self.<name>.weight`` in its code (DeBERTa-v2's
+    ``rel_embeddings``; MobileBERT's LM head ``torch.cat([self.decoder.weight.t(), self.dense.weight])``, its
+    decoder tied to the token embedding): that code meets the weight as it is, a shard where a style split it.
+    ``values=True`` ignores reads of its metadata only (Mamba's ``.to(self.lm_head.weight.dtype)``) and the
+    assignment that ties it (``self.lm_head.weight = self.wte.weight`` in ``__init__``)."""
     parent, _, name = fqn.rpartition(".")
     owner = modules.get(parent)
+    after = _METADATA_NOT_NEXT if values else ""
     if owner is not None and any(
-        re.search(rf"self\.{name}\.weight\b", _source(cls)) for cls in type(owner).__mro__ if cls is not nn.Module
+        re.search(rf"self\.{name}\.weight\b{after}", _source(cls))
+        for cls in type(owner).__mro__
+        if cls is not nn.Module
     ):
         return f"{type(owner).__name__} reads self.{name}.weight directly"
     return None
+
+
+# Reading a weight's metadata (Mamba's ``hidden_states.to(self.lm_head.weight.dtype)``) does not use its values.
+_METADATA_NOT_NEXT = r"(?!\.(?:dtype|device|shape|ndim|size\(|requires_grad|is_meta)|\s*=[^=])"
 
 
 def _first_arg(m: nn.Module) -> str | None:
@@ -774,6 +874,10 @@ def auto_tp_plan(
     # Embeddings a vocabulary-parallel style cannot serve (their own forward looks up indices it computes, or
     # their weight is read directly), and everything sharing their weight, stay replicated.
     unshardable = {e: why for e in embeddings if (why := _embedding_unshardable(e, modules))}
+    for f, m in modules.items():  # a module tied to an embedding whose weight its owner's code reads
+        emb = next((e for e in embeddings if e != f and getattr(m, "weight", None) is modules[e].weight), None)
+        if emb is not None and emb not in unshardable and (why := _weight_read_directly(f, modules, values=True)):
+            unshardable[emb] = f"its weight is tied to {f}, and {why}"
     kept_weights = {id(modules[e].weight): e for e in unshardable}
     for e in embeddings:
         if e not in unshardable and id(modules[e].weight) in kept_weights:
@@ -951,7 +1055,8 @@ def auto_tp_plan(
         d_in, d_out = linear_dims(m)
         if f in heads:
             head_input = seq if sp else Replicate()
-            if loss_parallel:
+            beside = _per_vocabulary_tensor_beside(f, modules, d_out) if loss_parallel else None
+            if loss_parallel and beside is None:
                 add(f, LossParallelHead(input_layouts=head_input))
             else:
                 add(f, ColwiseParallel(input_layouts=head_input, output_layouts=Replicate()))
@@ -962,9 +1067,14 @@ def auto_tp_plan(
             )
             out = (
                 "vocab-sharded DTensor logits inside loss_parallel(), gathered outside it"
-                if loss_parallel
+                if loss_parallel and beside is None
                 else "logits gathered"
             )
+            if beside is not None:
+                out += (
+                    f"; no loss parallelism: {beside}, a per-vocabulary tensor beside the head that the model's "
+                    "code applies to the logits as a plain tensor"
+                )
             lines.append(f"{f}: ColwiseParallel (LM head, {d_out} classes{tie}; {out})")
         elif f in in_block:
             lines.append(
@@ -993,6 +1103,24 @@ def _with_same_class_siblings(modules: dict[str, nn.Module], blocks: list[str]) 
         if type(child) is kind and f"{parent}.{n}" not in blocks
     ]
     return [b for b in modules if b in blocks or b in extra]
+
+
+def _per_vocabulary_tensor_beside(fqn: str, modules: dict[str, nn.Module], vocab: int) -> str | None:
+    """A buffer or parameter of the LM head ``fqn``'s parent with one value per vocabulary entry (BART's, Marian's
+    and PEGASUS's ``final_logits_bias`` of shape ``(1, vocab)``, added to the head's output in the model's
+    forward), as ``"name (shape)"``, else None. Vocabulary-sharded logits met it as a plain tensor: an error in
+    the first step under ``loss_parallel``."""
+    parent = modules.get(fqn.rpartition(".")[0])
+    if parent is None:
+        return None
+    head_own = {id(t) for t in modules[fqn].parameters()}  # BERT's prediction bias is the decoder's own bias
+    owned = [*parent.named_buffers(recurse=False), *parent.named_parameters(recurse=False)]
+    for name, t in owned:
+        if t is None or id(t) in head_own:
+            continue
+        if t.ndim >= 1 and t.shape[-1] == vocab and t.numel() == vocab:
+            return f"{name} {tuple(t.shape)}"
+    return None
 
 
 def _dropout_p(m: nn.Module) -> float:

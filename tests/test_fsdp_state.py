@@ -282,3 +282,47 @@ def test_root_called_inside_its_own_forward_as_lightning_redirects_steps():
 
     _train_pairs(model, ref, 3, loss)
     assert max_diff(full_state(model), full_state(ref)) < 1e-5
+
+
+class _ManualStep(nn.Module):
+    """Lightning's manual optimization in miniature: ``manual_step`` runs as the root's forward (forward
+    redirection) and calls ``backward`` inside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def manual_step(self, x, y):
+        loss = F.mse_loss(self(x), y)
+        loss.backward()
+        return loss.detach()
+
+
+@pytest.mark.parametrize("inner_unit", [False, True])
+@distributed(world_size=2)
+def test_backward_inside_the_roots_forward_reduces_the_roots_own_parameters(inner_unit):
+    """With no inner unit in the backward (the whole model one unit, as ``fsdp_unit`` matching nothing makes it),
+    no unit's backward hook fires: the gradients that reach the root's own parameters must still be reduced into
+    the sharded ``.grad`` before the optimizer step. They were not: a GAN's generator under manual optimization
+    never trained, with no error."""
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    model = _ManualStep()
+    ref = copy.deepcopy(model)
+    if inner_unit:
+        fully_shard(model.net[0], mesh=_dp_mesh())
+    fully_shard(model, mesh=_dp_mesh())
+    redirect = _ForwardRedirection()
+
+    def loss(m, x, y):
+        if m is not model:
+            return F.mse_loss(m(x), y)
+        redirect(m, m, "manual_step", x, y)
+        return torch.zeros((), requires_grad=True)  # the backward ran inside the forward
+
+    _train_pairs(model, ref, 3, loss)
+    assert max_diff(full_state(model), full_state(ref)) < 1e-5

@@ -16,6 +16,8 @@ on 4), each compared with one process on the same global batches, or checked to 
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import pytest
 import torch
@@ -318,6 +320,23 @@ def test_gan_manual_optimization_equals_one_process(tp):
         ours_p, ref_p, start = _params(ours), _params(ref), _params(Gan())
         assert _worst(start, ref_p) > 1e-3
         assert _worst(ours_p, ref_p) < TOL[tp], (variant, _worst(ours_p, ref_p))
+
+
+def _no_inner_unit(module: torch.nn.Module) -> bool:
+    return False
+
+
+@distributed(world_size=2)
+def test_gan_as_one_fsdp_unit_equals_one_process():
+    """The whole model one FSDP unit (``fsdp_unit`` matching no module): each phase's ``manual_backward`` runs
+    inside ``training_step``, the root's forward, and reaches no inner unit whose hooks would end the backward.
+    The generator's gradients were never reduced, so it did not train, with no error."""
+    ours = Gan()
+    with pytest.warns(UserWarning, match="matched no module") if dist.get_rank() == 0 else contextlib.nullcontext():
+        _trainer(strategy=strategies.ShardFSDPTPStrategy(fsdp_unit=_no_inner_unit), max_steps=8).fit(ours)
+    ref = Gan(mirrors=dist.get_world_size())
+    _single_trainer(max_steps=8, **ONE_PROCESS).fit(ref)
+    assert _worst(_params(ours), _params(ref)) < TOL[1]
 
 
 def _params(module) -> dict[str, torch.Tensor]:

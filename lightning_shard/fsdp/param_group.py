@@ -246,6 +246,12 @@ class FSDPParamGroup:
         self.held_for_graph = False
         # Called when a gradient lands on an unsharded parameter (the FSDP state queues its end of backward).
         self.on_unsharded_grad: Callable[[], None] | None = None
+        # The root's group (set at the root's lazy init): its parameters report every gradient that reaches them.
+        # A backward inside the root's forward (Lightning's manual optimization: ``training_step`` runs as the
+        # root's forward) that reaches no inner unit fires no unit hook, and only this report queues the
+        # end-of-backward callback that reduces those gradients; without it they never reached the sharded
+        # ``.grad`` (a GAN's generator, the whole model one unit, did not train, with no error).
+        self.reports_unsharded_grads = False
         if device.type != "meta":
             self.layout.warm(device, self.compute_dtype, self.reduce_dtype)
         if device.type == "cpu":
@@ -384,6 +390,8 @@ class FSDPParamGroup:
             self.post_forward.release()
         for fp, view in zip(self.params, self._unsharded_views()):
             fp.set_on_modules(view)
+        if self.reports_unsharded_grads:
+            self._report_unsharded_grads()
         self.is_unsharded = True
 
     def _unsharded_views(self) -> list[nn.Parameter]:
@@ -411,11 +419,15 @@ class FSDPParamGroup:
             self.held_for_graph = True
             _HELD_FOR_GRAPH.add(self)
             # A later backward through the recorded graph may bring gradients no hook of the unit sees: the
-            # unsharded parameters report them (only on groups held for a graph, so no other backward pays a
-            # Python call per parameter).
-            for fp in self.params:
-                if fp.unsharded is not None and not getattr(fp.unsharded, _GRAD_HOOK, False):
-                    _register_grad_hook(fp.unsharded, self._unsharded_grad_arrived)
+            # unsharded parameters report them (only on groups held for a graph and on the root's, so no other
+            # backward pays a Python call per parameter).
+            self._report_unsharded_grads()
+
+    def _report_unsharded_grads(self) -> None:
+        """Have each unsharded parameter call ``on_unsharded_grad`` when a backward accumulates its gradient."""
+        for fp in self.params:
+            if fp.unsharded is not None and not getattr(fp.unsharded, _GRAD_HOOK, False):
+                _register_grad_hook(fp.unsharded, self._unsharded_grad_arrived)
 
     def reshard_before_next_step(self) -> None:
         """Left unsharded after backward (``reshard_after_backward=False``, for the next micro-batch's forward):

@@ -114,6 +114,8 @@ class FSDPState:
                         state.is_root = False
                         state.root = self
         self._sync_requires_grad_at_each_call()
+        if self.group is not None:
+            self.group.reports_unsharded_grads = True
         if not self.agreement_checked:
             check_units_agree(self)
 

@@ -147,6 +147,16 @@ def test_automatic_units_without_declaration_are_the_largest_repeated_class():
     assert find_repeated_blocks(model) == [model.first, model.second]
 
 
+def test_automatic_units_of_a_lightning_module_holding_sequential_towers():
+    """Only a parent's ``forward`` tells whether it runs a child as ``child.forward(...)`` (no hooks, no unit there):
+    LightningModule's other methods call ``model.forward``, and reading them once made every element of a
+    LightningModule's ``nn.Sequential`` children unfit to be a unit, so a GAN became one unit."""
+    from tests.test_optimizer_flows import Gan
+
+    gan = Gan()
+    assert find_repeated_blocks(gan) == [*gan.generator[:2], *gan.discriminator[:2]]
+
+
 # ---------------------------------------------------------------------------------------------- engine
 @distributed(world_size=2)
 def test_fully_shard_refuses_a_weight_split_between_sibling_blocks():

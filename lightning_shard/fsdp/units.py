@@ -67,14 +67,17 @@ _NAME_FORWARD = re.compile(r"(?<![.\w])(?!self\b|super\b)(\w+)\.forward\(")
 def called_without_hooks(model: nn.Module) -> list[nn.Module]:
     """Modules their parent's code calls as ``child.forward(...)`` rather than ``child(...)``: no module hook runs,
     so an FSDP unit there would never gather its parameters (SqueezeBERT's encoder runs
-    ``layer.forward(hidden_states, ...)`` over its layers). Found in the parent's class source: the child named by
-    ``self.<name>.forward(``, or, for a plain name (a loop variable), every element of the parent's containers.
+    ``layer.forward(hidden_states, ...)`` over its layers). Found in the source of the parent's ``forward``: the
+    child named by ``self.<name>.forward(``, or, for a plain name (a loop variable), every element of the parent's
+    containers. Only ``forward`` is read: a class's other methods (a LightningModule's export helpers call
+    ``model.forward``) do not run in its forward, and reading them made every element of a LightningModule's
+    ``nn.Sequential`` children a module "called without hooks".
 
     Example: ``called_without_hooks(squeezebert)`` -> the ``SqueezeBertModule`` layers of its encoder.
     """
     found: list[nn.Module] = []
     for parent in model.modules():
-        source = "".join(_class_source(cls) for cls in type(parent).__mro__ if cls not in (nn.Module, object))
+        source = _forward_source(type(parent).forward)
         if ".forward(" not in source:
             continue
         children = dict(parent.named_children())
@@ -88,9 +91,9 @@ def called_without_hooks(model: nn.Module) -> list[nn.Module]:
 
 
 @functools.cache
-def _class_source(cls: type) -> str:
+def _forward_source(forward) -> str:
     try:
-        return inspect.getsource(cls)
+        return inspect.getsource(forward)
     except (OSError, TypeError):
         return ""
 

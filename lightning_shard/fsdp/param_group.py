@@ -390,7 +390,9 @@ class FSDPParamGroup:
             self.post_forward.release()
         for fp, view in zip(self.params, self._unsharded_views()):
             fp.set_on_modules(view)
-        if self.reports_unsharded_grads:
+        # Only under grad mode: no gradient comes otherwise, and registering a hook toggles requires_grad, which
+        # torch.func refuses inside vmap (a no_grad vmap over the model is allowed).
+        if self.reports_unsharded_grads and torch.is_grad_enabled():
             self._report_unsharded_grads()
         self.is_unsharded = True
 

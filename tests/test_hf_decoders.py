@@ -383,3 +383,59 @@ if __name__ == "__main__":  # python -m tests.test_hf_decoders: the table in doc
         run_distributed(_measure, 2, list(hf_models.DECODER_FAMILIES), timeout=3600)
     finally:
         shutdown_pools()
+
+
+def _lit_moe():
+    """A LightningModule around Mixtral whose config adds the routers' auxiliary loss to the loss."""
+    import lightning as L
+    import transformers
+    from torch.utils.data import DataLoader, TensorDataset
+
+    config_cls, model_cls, kwargs = hf_models._DECODERS["mixtral"]
+    config = getattr(transformers, config_cls)(**dict(kwargs, output_router_logits=True, router_aux_loss_coef=0.1))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+
+    class Lit(L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):  # one batch: the sampler's shuffling cannot change the order of steps
+            rows = torch.randint(0, hf_models.VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+            return DataLoader(TensorDataset(rows), batch_size=4)
+
+    return Lit(model)
+
+
+@distributed(world_size=2)
+def test_moe_auxiliary_loss_under_loss_parallel_matches_one_process():
+    """Mixtral with ``output_router_logits=True`` adds its routers' auxiliary loss (a plain tensor) to the LM loss.
+    Under ``loss_parallel=True`` the LM loss was a DTensor: the sum sent DTensor gradients into the experts'
+    backward, which raised mixing them with this rank's local activations. The head now gathers its logits for
+    such a model (the plan's summary says why) and training matches one process."""
+    import strategies
+    from tests.test_strategy import _trainer
+
+    lit = _lit_moe()
+    ref = copy.deepcopy(lit.model)
+    _, summary = auto_tp_plan(lit, 2, loss_parallel=True, return_summary=True)
+    assert any("output_router_logits=True" in line and "no loss parallelism" in line for line in summary), summary
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size=2, loss_parallel=True)
+    _trainer(strategy=strategy, max_steps=2).fit(lit)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        (rows,) = next(iter(lit.train_dataloader()))
+        opt.zero_grad()
+        ref(input_ids=rows, labels=rows).loss.backward()
+        opt.step()
+    worst = max(
+        (_full(p.detach()) - q.detach()).abs().max().item() for p, q in zip(lit.model.parameters(), ref.parameters())
+    )
+    assert worst < 1e-5, worst

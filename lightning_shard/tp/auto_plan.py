@@ -1055,7 +1055,7 @@ def auto_tp_plan(
         d_in, d_out = linear_dims(m)
         if f in heads:
             head_input = seq if sp else Replicate()
-            beside = _per_vocabulary_tensor_beside(f, modules, d_out) if loss_parallel else None
+            beside = _why_no_loss_parallel(f, modules, d_out) if loss_parallel else None
             if loss_parallel and beside is None:
                 add(f, LossParallelHead(input_layouts=head_input))
             else:
@@ -1071,10 +1071,7 @@ def auto_tp_plan(
                 else "logits gathered"
             )
             if beside is not None:
-                out += (
-                    f"; no loss parallelism: {beside}, a per-vocabulary tensor beside the head that the model's "
-                    "code applies to the logits as a plain tensor"
-                )
+                out += f"; no loss parallelism: {beside}"
             lines.append(f"{f}: ColwiseParallel (LM head, {d_out} classes{tie}; {out})")
         elif f in in_block:
             lines.append(
@@ -1103,6 +1100,32 @@ def _with_same_class_siblings(modules: dict[str, nn.Module], blocks: list[str]) 
         if type(child) is kind and f"{parent}.{n}" not in blocks
     ]
     return [b for b in modules if b in blocks or b in extra]
+
+
+def _why_no_loss_parallel(fqn: str, modules: dict[str, nn.Module], vocab: int) -> str | None:
+    """Why the LM head ``fqn`` must gather its logits under ``loss_parallel``, or None when it need not."""
+    beside = _per_vocabulary_tensor_beside(fqn, modules, vocab)
+    if beside is not None:
+        return (
+            f"{beside}, a per-vocabulary tensor beside the head that the model's code applies to the logits as a "
+            "plain tensor"
+        )
+    return _router_loss_added(modules)
+
+
+def _router_loss_added(modules: dict[str, nn.Module]) -> str | None:
+    """A Hugging Face mixture-of-experts model whose config adds the routers' auxiliary loss to the loss it returns
+    (``output_router_logits=True``: Mixtral, Qwen2-MoE, NLLB-MoE, ...): under loss parallelism the vocabulary-parallel
+    loss is a DTensor, and adding the plain auxiliary loss to it sends DTensor gradients into the routers' and
+    experts' backward, which mix them with this rank's local activations (an error in the first backward)."""
+    for fqn, m in modules.items():
+        config = getattr(m, "config", None)
+        if getattr(config, "output_router_logits", False) is True:
+            return (
+                f"{fqn or 'the model'}.config.output_router_logits=True adds the routers' auxiliary loss, a plain "
+                "tensor, to the loss, which loss parallelism would make a DTensor"
+            )
+    return None
 
 
 def _per_vocabulary_tensor_beside(fqn: str, modules: dict[str, nn.Module], vocab: int) -> str | None:

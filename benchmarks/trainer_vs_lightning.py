@@ -268,7 +268,7 @@ def run_variant(args) -> None:
     if args.variant == "ours":
         from strategies import ShardFSDPTPStrategy
 
-        strategy = ShardFSDPTPStrategy(tensor_parallel_size=args.tp)
+        strategy = ShardFSDPTPStrategy(tensor_parallel_size=args.tp, loss_parallel=args.loss_parallel)
     elif args.variant == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -297,7 +297,10 @@ def _variant_cmd(args, variant: str, out: str) -> list[str]:
     for name in ("devices", "tp", "steps", "warmup", "batch", "seq", "vocab", "dim", "layers", "heads"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return (
-        cmd + ["--accelerator", args.accelerator, "--precision", args.precision] + (["--phases"] if args.phases else [])
+        cmd
+        + ["--accelerator", args.accelerator, "--precision", args.precision]
+        + (["--phases"] if args.phases else [])
+        + (["--loss-parallel"] if args.loss_parallel else [])
     )
 
 
@@ -395,6 +398,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (1 on CPU: data_parallel_size=devices)")
+    p.add_argument(
+        "--loss-parallel", action="store_true", help="ours with loss_parallel=True (the LM head's logits not gathered)"
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="per rank")

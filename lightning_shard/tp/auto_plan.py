@@ -1055,8 +1055,8 @@ def auto_tp_plan(
         d_in, d_out = linear_dims(m)
         if f in heads:
             head_input = seq if sp else Replicate()
-            beside = _why_no_loss_parallel(f, modules, d_out) if loss_parallel else None
-            if loss_parallel and beside is None:
+            gather_why = _why_no_loss_parallel(f, modules, d_out) if loss_parallel else None
+            if loss_parallel and gather_why is None:
                 add(f, LossParallelHead(input_layouts=head_input))
             else:
                 add(f, ColwiseParallel(input_layouts=head_input, output_layouts=Replicate()))
@@ -1067,11 +1067,11 @@ def auto_tp_plan(
             )
             out = (
                 "vocab-sharded DTensor logits inside loss_parallel(), gathered outside it"
-                if loss_parallel and beside is None
+                if loss_parallel and gather_why is None
                 else "logits gathered"
             )
-            if beside is not None:
-                out += f"; no loss parallelism: {beside}"
+            if gather_why is not None:
+                out += f"; no loss parallelism: {gather_why}"
             lines.append(f"{f}: ColwiseParallel (LM head, {d_out} classes{tie}; {out})")
         elif f in in_block:
             lines.append(

@@ -134,13 +134,19 @@ _PLAN_DEFAULT = (*hf_models.DECODER_FAMILIES[: hf_models.DECODER_FAMILIES.index(
     [f if f in _PLAN_DEFAULT else pytest.param(f, marks=pytest.mark.slow) for f in hf_models.DECODER_FAMILIES],
 )
 def test_decoder_plan_replicates_only_what_it_cannot_split(family):
+    assert_plan_replicates_only(family, REPLICATED)
+
+
+def assert_plan_replicates_only(family: str, replicated: dict[str, tuple[str, ...]]) -> None:
+    """The automatic TP 2 plan of ``family`` leaves replicated only the block parts ``replicated[family]`` names
+    (and shards every weight matrix of a family it does not name)."""
     model = hf_models.build(family)
     plan, summary = auto_tp_plan(model, 2, return_summary=True)
     cov = tp_coverage(model, plan, summary)
     parts = [_block_part(fqn) for fqn, _, _ in cov.replicated]
-    unexpected = [p for p in parts if not p.startswith(REPLICATED.get(family, ()))]
+    unexpected = [p for p in parts if not p.startswith(replicated.get(family, ()))]
     assert not unexpected, (family, cov.describe())
-    if family not in REPLICATED:
+    if family not in replicated:
         assert cov.sharded_fraction == 1.0, (family, cov.describe())
 
 
@@ -355,8 +361,9 @@ def test_doge_moe_under_fsdp_matches_each_rank_routing_its_own_rows():
 
 
 # ------------------------------------------------------------------------------------------------ measurement
-def _measure(families):
-    """Every family under FSDP (Trainer) and TP 2 on 2 ranks; rank 0 prints one table row per family."""
+def _measure(families, not_like_one_process=NOT_LIKE_ONE_PROCESS):
+    """Every family under FSDP (Trainer) and TP 2 on 2 ranks (but the ways ``not_like_one_process`` names); rank 0
+    prints one table row per family."""
     import sys
 
     import torch.distributed as dist
@@ -365,7 +372,7 @@ def _measure(families):
 
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
     for family in families:
-        skip = NOT_LIKE_ONE_PROCESS.get(family, ())
+        skip = not_like_one_process.get(family, ())
         fsdp = float("nan") if "fsdp" in skip else _fit_and_compare(family)
         tp = float("nan") if "tp" in skip else _tp_matches_one_process(family, tp_mesh)
         model = hf_models.build(family)

@@ -18,7 +18,7 @@ from lightning_shard.tp.coverage import tp_coverage
 from tests import hf_models
 from tests import hf_models_decoders_more as more
 from tests.harness import distributed
-from tests.test_hf_decoders import _block_part, _run_tp
+from tests.test_hf_decoders import _run_tp, assert_plan_replicates_only
 
 pytest.importorskip("transformers")
 
@@ -77,14 +77,7 @@ OWN_TEST = {
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoder_plan_replicates_only_what_it_cannot_split(family):
     with more.registered():
-        model = hf_models.build(family)
-    plan, summary = auto_tp_plan(model, 2, return_summary=True)
-    cov = tp_coverage(model, plan, summary)
-    parts = [_block_part(fqn) for fqn, _, _ in cov.replicated]
-    unexpected = [p for p in parts if not p.startswith(REPLICATED.get(family, ()))]
-    assert not unexpected, (family, cov.describe())
-    if family not in REPLICATED:
-        assert cov.sharded_fraction == 1.0, (family, cov.describe())
+        assert_plan_replicates_only(family, REPLICATED)
 
 
 def test_unrecognised_layer_beside_blocks_of_its_class_is_a_block():

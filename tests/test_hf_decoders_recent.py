@@ -27,10 +27,15 @@ import torch
 
 from lightning_shard import init_device_mesh
 from lightning_shard.tp import auto_tp_plan, parallelize_module
-from lightning_shard.tp.coverage import tp_coverage
 from tests import hf_models, hf_models_decoders_recent
 from tests.harness import distributed
-from tests.test_hf_decoders import _block_part, _full, _run_tp, _tp_matches_one_process, _train
+from tests.test_hf_decoders import (
+    _full,
+    _measure,
+    _run_tp,
+    _train,
+    assert_plan_replicates_only,
+)
 
 pytest.importorskip("transformers")
 
@@ -114,14 +119,7 @@ NOT_LIKE_ONE_PROCESS = {
 # ------------------------------------------------------------------------------------------------ plans
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recent_decoder_plan_replicates_only_what_it_cannot_split(family):
-    model = hf_models.build(family)
-    plan, summary = auto_tp_plan(model, 2, return_summary=True)
-    cov = tp_coverage(model, plan, summary)
-    parts = [_block_part(fqn) for fqn, _, _ in cov.replicated]
-    unexpected = [p for p in parts if not p.startswith(REPLICATED.get(family, ()))]
-    assert not unexpected, (family, cov.describe())
-    if family not in REPLICATED:
-        assert cov.sharded_fraction == 1.0, (family, cov.describe())
+    assert_plan_replicates_only(family, REPLICATED)
 
 
 @pytest.mark.parametrize(
@@ -227,31 +225,15 @@ def test_more_recent_decoders_under_fsdp_match_one_process():
 
 
 # ------------------------------------------------------------------------------------------------ measurement
-def _measure(families):
-    """Every family under FSDP (Trainer) and TP 2 on 2 ranks; rank 0 prints one table row per family."""
-    import sys
-
-    import torch.distributed as dist
-
-    from tests.test_hf_fsdp import _fit_and_compare
-
-    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
-    for family in families:
-        skip = NOT_LIKE_ONE_PROCESS.get(family, ())
-        fsdp = float("nan") if "fsdp" in skip else _fit_and_compare(family)
-        tp = float("nan") if "tp" in skip else _tp_matches_one_process(family, tp_mesh)
-        model = hf_models.build(family)
-        plan, summary = auto_tp_plan(model, 2, return_summary=True)
-        share = tp_coverage(model, plan, summary).sharded_fraction
-        if dist.get_rank() == 0:
-            row = f"| {family} | `{type(model).__name__}` | {fsdp:.1e} | {tp:.1e} | {100 * share:.0f}% |"
-            print(row, file=sys.__stdout__, flush=True)
+def _measure_recent(families):
+    """``test_hf_decoders._measure`` run from this module, whose import registers the families in the workers."""
+    _measure(families, NOT_LIKE_ONE_PROCESS)
 
 
 if __name__ == "__main__":  # python -m tests.test_hf_decoders_recent: the list-B table in docs/huggingface.md
     from tests.harness import run_distributed, shutdown_pools
 
     try:
-        run_distributed(_measure, 2, list(FAMILIES), timeout=3600)
+        run_distributed(_measure_recent, 2, list(FAMILIES), timeout=3600)
     finally:
         shutdown_pools()

@@ -305,8 +305,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
         # See ShardFSDPTPStrategy._check_tp_replicated_gradients; fabric.backward(loss) names no module.
-        for set_up in [module] if module is not None else self._set_up_modules:
-            self.engine._check_tp_replicated_gradients(set_up)
+        self.engine._check_tp_replicated_gradients([module] if module is not None else self._set_up_modules)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         # Parameters the sharding replaced (the optimizer was built before setup_module) get the Fabric fix;

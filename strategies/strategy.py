@@ -751,21 +751,21 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         self._check_tp_replicated_gradients()
         return out
 
-    def _check_tp_replicated_gradients(self, module: nn.Module | None = None) -> None:
+    def _check_tp_replicated_gradients(self, modules: list[nn.Module] | None = None) -> None:
         """The TP ranks' generators were synced before the step; if they differ after a backward, the model drew or
         seeded differently on the ranks inside the step (Hugging Face Reformer reseeds from OS entropy in every
         training forward), and dropout on a replicated activation may have drawn different masks. Then the
         gradients of the replicated parameters are compared: different ones would make the ranks' copies part ways
         with no error, so every rank raises before the optimizer step. One all-reduce of two integers per backward
-        under TP; the gradient comparison only when the generators differ."""
+        under TP; the gradient comparison only when the generators differ, over ``modules`` (default: the model)."""
         mesh = self.device_mesh
         if mesh.size("tensor_parallel") == 1:
             return
         group = mesh.get_group("tensor_parallel")
         if not rng_states_differ(group, self.root_device):
             return
-        model = self.model if module is None else module
-        apart = replicated_gradients_apart(model.named_parameters(), group, self.root_device)
+        named = [item for m in ([self.model] if modules is None else modules) for item in m.named_parameters()]
+        apart = replicated_gradients_apart(named, group, self.root_device)
         if apart:
             shown = ", ".join(f"{name} ({rel:.1e})" for name, rel in apart[:3])
             raise RuntimeError(

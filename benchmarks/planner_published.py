@@ -20,6 +20,11 @@ Sources:
   5,762 / 5,605 TPS/GPU, 82.4 / 67.0 GiB. Llama 3.1 70B, FSDP 32 x TP 8 on 256 H100, local batch 16,
   full AC, torch.compile + Float8: 829 TPS/GPU, 71.9 GiB. torchtitan's 2-D plan uses sequence and loss
   parallelism. Their memory is the caching allocator's peak *reserved* memory.
+* torchtitan, benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (pytorch/torchtitan, June 2025; same
+  Grand Teton H100s): the same 70B configuration (FSDP 32 x TP 8, local batch 16, full AC, torch.compile) in
+  bf16 without Float8, vanilla TP: 597.3 tokens/s per GPU; and Llama 3.1 8B on 64 H100, FSDP 8 x TP 8, local
+  batch 12, per-op selective AC, torch.compile, bf16, vanilla TP: 4,378. No memory figures. torchtitan's TP
+  plan uses sequence and loss parallelism.
 * torchtitan, docs/performance.md at commit 0413364 of pytorch/torchtitan (the earlier version of the page):
   Llama 3 8B and 70B, FSDP only, 64 A100 80GB, local batch 1, seq 8192: 8B selective op AC 2,973 WPS (tokens/s
   per GPU), 70B full AC 331 WPS. bf16, no Float8; the page gives no memory figures and does not say whether
@@ -100,6 +105,11 @@ RUNS = [
         peak_gib=67.0, tps=5605),
     Run("torchtitan Llama 3.1 70B, 256 H100 (dp 32 x tp 8)", "llama3.1-70b", 256, (32, 8), 16, 8192, "full",
         "h100", sp=True, lp=True, peak_gib=71.9, tps=829, note="published run: torch.compile + Float8"),
+    Run("torchtitan Llama 3.1 70B, 256 H100 (dp 32 x tp 8), bf16", "llama3.1-70b", 256, (32, 8), 16, 8192, "full",
+        "h100", sp=True, lp=True, tps=597.3, note="published run: torch.compile, bf16, vanilla TP; no memory figure"),
+    Run("torchtitan Llama 3.1 8B, 64 H100 (dp 8 x tp 8), bf16", "llama3.1-8b", 64, (8, 8), 12, 8192,
+        "selective-op", "h100", sp=True, lp=True, tps=4378,
+        note="published run: torch.compile, bf16, vanilla TP; no memory figure"),
     Run("torchtitan Llama 3 8B, 64 A100 (FSDP, bf16)", "llama3.1-8b", 64, (64, 1), 1, 8192, "selective-op", "a100",
         tps=2973, note="earlier torchtitan page: no memory figure"),
     Run("torchtitan Llama 3 70B, 64 A100 (FSDP, bf16)", "llama3.1-70b", 64, (64, 1), 1, 8192, "full", "a100",

@@ -145,7 +145,9 @@ def test_kv_shared_layers_under_tp_match_one_process():
     # With one key/value head per rank, the replicated layer 2 broadcast its rank's head over both query heads:
     # loss 4.936 against 4.956 at the first step and 0.39 off in the parameters after 3 steps, no error. lr 0.05,
     # and one step for the 2-head variant: tiny Gemma 4 unified is ill-conditioned (NOT_LIKE_ONE_PROCESS; after 3
-    # steps the variant's embedding is 5.4e-5 from one float32 process, which is itself 5.0e-5 from float64).
+    # steps the variant's embedding is 5.4e-5 from one float32 process, which is itself 5.0e-5 from float64). The
+    # parameter tolerance is therefore the float32 rounding of this model (2e-4, three orders below the bug's 0.39):
+    # at 1e-5 an AMD EPYC's rounding alone failed it (1.8e-5 on 3 of 8192 embedding entries).
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
     for family, steps in (("gemma4_unified_text_2_heads", 1), ("gemma4_unified_text", 3)):
         model = hf_models.build(family)
@@ -156,7 +158,7 @@ def test_kv_shared_layers_under_tp_match_one_process():
         assert (losses - ref_losses).abs().max() < 1e-5, (family, losses, ref_losses)
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():
-            torch.testing.assert_close(_full(p.detach()), ref_params[name].detach(), rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(_full(p.detach()), ref_params[name].detach(), rtol=1e-4, atol=2e-4,
                                        msg=lambda m, n=name, f=family: f"{f} {n}: {m}")  # fmt: skip
 
 

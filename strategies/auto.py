@@ -5,6 +5,8 @@ Four knobs accept ``"auto"``: ``tensor_parallel_size``, ``activation_checkpointi
 ``reshard_after_forward`` and ``cpu_offload``. The planner (``choose_configuration``) searches the ones left
 ``"auto"`` and keeps the user's value for the others; :func:`settings` maps its answer onto the strategy's
 arguments. When the planner cannot run, :data:`FALLBACK` (the conservative defaults) stands in for it.
+:func:`planner_step` says what the planner runs on a LightningModule (its ``example_input_array``, or a batch of
+its train data through ``training_step``).
 
 Example::
 
@@ -16,8 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 AUTO = "auto"
@@ -90,3 +96,100 @@ def describe(values: dict) -> str:
         f"TP {values['tensor_parallel_size']}, activation checkpointing {ac}, "
         f"reshard_after_forward {values['reshard_after_forward']}, cpu_offload {values['cpu_offload']}"
     )
+
+
+def planner_step(module: nn.Module, batch: int, seq_len: int) -> tuple[Callable | None, Callable | None, int, int]:
+    """What the planner runs on its meta copy of a LightningModule: ``(example_input, step, batch, seq_len)``.
+
+    ``example_input_array`` when set, passed as Lightning passes it (a tuple or list unpacked into
+    ``module(*inputs)``, a dict as ``module(**inputs)``); otherwise the first batch of the train dataloader
+    (``trainer.fit(train_dataloaders=...)``, the datamodule's or the module's), run through
+    ``training_step(batch, 0)``; otherwise ``(None, None, batch, seq_len)``: the planner's default (token ids for
+    the first embedding through ``forward``). The micro-batch and sequence length come from the data when there
+    is data (the first tensor's dims 0 and 1), else from ``batch`` / ``seq_len``. The planner asks for other
+    micro-batches (its "micro-batch N" advice): every tensor whose first dim is the data's batch gets that size.
+
+    Example::
+
+        example_input, step, batch, seq_len = planner_step(lightning_module, 1, 2048)
+        plan(lightning_module, 8, 8, "80GB", batch=batch, seq_len=seq_len, example_input=example_input, step=step)
+    """
+    sample = getattr(module, "example_input_array", None)
+    if sample is not None:
+        inputs = tuple(sample) if isinstance(sample, (list, tuple)) else (sample,)
+        data_batch, data_seq = _batch_and_seq(inputs, batch, seq_len)
+        return (lambda b, t, d: _on_meta(inputs, data_batch, b)), None, data_batch, data_seq
+    data = first_train_batch(module)
+    if data is not None:
+        data_batch, data_seq = _batch_and_seq(data, batch, seq_len)
+        return (
+            (lambda b, t, d: (_on_meta(data, data_batch, b),)),
+            (lambda m, inputs: m.training_step(inputs[0], 0)),
+            data_batch,
+            data_seq,
+        )
+    return None, None, batch, seq_len
+
+
+def first_train_batch(module: nn.Module):
+    """The first batch of the train data the Trainer will use (dataloaders passed to ``fit``, the datamodule's,
+    the module's ``train_dataloader``), or ``None`` when there is none yet. Drawing it leaves every random
+    generator as it was: a shuffling sampler draws its order from torch's generator, and a dataset may use
+    Python's or NumPy's, so the planner's look must not change the run it plans.
+
+    Example: ``first_train_batch(lightning_module)`` -> ``(x, y)``.
+    """
+    trainer = getattr(module, "_trainer", None)
+    owners = []
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    given = getattr(source, "instance", None)
+    if isinstance(given, torch.utils.data.DataLoader):  # trainer.fit(model, train_dataloaders=loader)
+        owners.append(lambda: given)
+    for owner in (getattr(trainer, "datamodule", None), module):
+        make = getattr(owner, "train_dataloader", None) if owner is not None else None
+        if make is not None:
+            owners.append(make)
+    for make in owners:
+        try:
+            with _random_states_kept():
+                return next(iter(make()))
+        except Exception:  # noqa: BLE001 - no data yet (or not defined): the planner falls back to its default
+            continue
+    return None
+
+
+@contextmanager
+def _random_states_kept():
+    """Restore torch's CPU generator, Python's and NumPy's global random states on exit."""
+    python_state = random.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        np = None
+    numpy_state = np.random.get_state() if np is not None else None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if np is not None:
+                np.random.set_state(numpy_state)
+
+
+def _batch_and_seq(obj, batch: int, seq_len: int) -> tuple[int, int]:
+    """The first tensor's dims 0 and 1 (micro-batch, sequence length); the defaults where it has none."""
+    flat = [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+    if not flat or flat[0].ndim == 0:
+        return batch, seq_len
+    first = flat[0]
+    return int(first.shape[0]), int(first.shape[1]) if first.ndim > 1 else seq_len
+
+
+def _on_meta(obj, data_batch: int, batch: int):
+    """``obj``'s tensors on the meta device, those with ``data_batch`` rows resized to ``batch`` rows."""
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        rows = batch if t.ndim and t.shape[0] == data_batch else (t.shape[0] if t.ndim else None)
+        return t.new_empty((rows, *t.shape[1:]) if t.ndim else (), device="meta")
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, meta, obj)

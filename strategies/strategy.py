@@ -485,7 +485,7 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             kwargs["tensor_parallel_size"] = world // dp  # a fixed data-parallel size leaves one TP size
         memory, device = self._planner_device()
         try:
-            example_input, step, batch, seq_len = _planner_step(module, self.planner_batch, self.planner_seq_len)
+            example_input, step, batch, seq_len = auto.planner_step(module, self.planner_batch, self.planner_seq_len)
             configuration = choose_configuration(
                 module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
                 batch=batch, seq_len=seq_len, example_input=example_input, step=step,
@@ -1240,56 +1240,6 @@ def _check_size(name: str, value) -> int | str:
     if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise ValueError(f"ShardFSDPTPStrategy: {name}={given!r} must be 'auto' or a positive int (or its digits)")
     return value
-
-
-def _planner_step(module, batch: int, seq_len: int):
-    """What the planner runs on its meta copy of a LightningModule: ``(example_input, step, batch, seq_len)``.
-
-    ``example_input_array`` when set (``module(*inputs)``, or ``module(**inputs)`` for a dict); otherwise a
-    batch from the train dataloader, run through ``training_step(batch, 0)``; otherwise the planner's default
-    (token ids for the first embedding through ``forward``). The micro-batch and sequence length come from the
-    data when there is data (first tensor: dims 0 and 1), else from ``planner_batch`` / ``planner_seq_len``.
-    """
-
-    def to_meta(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj.to("meta")
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(to_meta(o) for o in obj)
-        if isinstance(obj, dict):
-            return {k: to_meta(v) for k, v in obj.items()}
-        return obj
-
-    def shape_of(obj) -> tuple[int, int]:
-        flat = [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
-        if not flat or flat[0].ndim == 0:
-            return batch, seq_len
-        first = flat[0]
-        return int(first.shape[0]), int(first.shape[1]) if first.ndim > 1 else seq_len
-
-    sample = getattr(module, "example_input_array", None)
-    if sample is not None:
-        inputs = sample if isinstance(sample, tuple) else (sample,)
-        return (lambda b, t, d: to_meta(inputs)), None, *shape_of(inputs)
-    data = _first_train_batch(module)
-    if data is not None:
-        return (lambda b, t, d: (to_meta(data),)), (lambda m, inputs: m.training_step(inputs[0], 0)), *shape_of(data)
-    return None, None, batch, seq_len
-
-
-def _first_train_batch(module):
-    """The first batch of the module's (or its datamodule's) train dataloader, or None without one."""
-    trainer = getattr(module, "_trainer", None)
-    source = getattr(trainer, "datamodule", None) if trainer is not None else None
-    for owner in (source, module):
-        make = getattr(owner, "train_dataloader", None) if owner is not None else None
-        if make is None:
-            continue
-        try:
-            return next(iter(make()))
-        except Exception:  # noqa: BLE001 - no data yet (or not defined): the planner falls back to its default
-            continue
-    return None
 
 
 def _check_arguments(

@@ -172,16 +172,16 @@ class _PlainLightningModule(nn.Module):
 
 def test_strategy_runs_training_step_on_a_batch_of_the_train_dataloader():
     pytest.importorskip("lightning")
-    from strategies.strategy import _planner_step
+    from strategies.auto import planner_step
 
     module = _meta(_PlainLightningModule)
-    example_input, step, batch, seq_len = _planner_step(module, 1, 2048)
+    example_input, step, batch, seq_len = planner_step(module, 1, 2048)
     assert (batch, seq_len) == (3, 10)
     est = estimate(module, (1, 1), batch=batch, seq_len=seq_len, example_input=example_input, step=step)
     direct = estimate(_meta(Llama), (1, 1), batch=3, seq_len=10)
     assert est.activations == direct.activations and est.model_flops == direct.model_flops
     module.example_input_array = torch.zeros(5, 7, dtype=torch.long)
-    _, step, batch, seq_len = _planner_step(module, 1, 2048)
+    _, step, batch, seq_len = planner_step(module, 1, 2048)
     assert step is None and (batch, seq_len) == (5, 7)
 
 
@@ -251,3 +251,99 @@ def test_a_fixed_tensor_parallel_size_is_the_only_mesh_searched():
     assert c.tensor_parallel_size == 2 and c.cpu_offload is False
     with pytest.raises(ValueError, match="tensor_parallel_size=3.*divisor of world_size=4"):
         plan(model, 4, 4, "1GiB", batch=B, seq_len=T, tensor_parallel_size=3)
+
+
+def test_the_first_train_batch_is_drawn_without_moving_any_random_generator():
+    # A shuffling sampler draws its order from torch's generator: rank 0's planner moved rank 0's generator alone
+    # before, so its dropout and data order left the stream a run without "auto" has.
+    import random
+
+    from strategies.auto import first_train_batch
+
+    class Shuffled(_PlainLightningModule):
+        def train_dataloader(self):
+            x = torch.randint(0, 101, (12, 10))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=3, shuffle=True)
+
+    module = Shuffled()
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    x, _ = first_train_batch(module)
+    assert x.shape == (3, 10)
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
+
+
+def test_the_planner_reads_the_dataloaders_passed_to_fit():
+    # trainer.fit(model, train_dataloaders=loader): the planner found no data and fell back to TP 1 ("missing the
+    # required forward"), the issue's own symptom on an ordinary LightningModule.
+    from types import SimpleNamespace
+
+    from strategies.auto import first_train_batch, planner_step
+
+    x = torch.randint(0, 101, (6, 10))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=2)
+    module = _meta(Llama)
+    plain = _PlainLightningModule.__new__(_PlainLightningModule)
+    nn.Module.__init__(plain)
+    plain.net = module
+    plain._trainer = SimpleNamespace(fit_loop=SimpleNamespace(_data_source=SimpleNamespace(instance=loader)))
+    batch = first_train_batch(plain)
+    assert torch.equal(batch[0], x[:2])
+    example_input, step, b, t = planner_step(plain, 1, 2048)
+    assert (b, t) == (2, 10) and step is not None
+    est = estimate(plain, (1, 1), batch=b, seq_len=t, example_input=example_input, step=step)
+    assert est.activations == estimate(_meta(Llama), (1, 1), batch=2, seq_len=10).activations
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = Llama()
+
+    def forward(self, ids, mask):
+        return self.net(ids * mask)
+
+
+def test_a_list_example_input_array_is_unpacked_as_lightning_does():
+    # Lightning calls model(*example_input_array) for a list (ModelSummary); the planner passed the list as one
+    # argument and fell back ("missing 1 required positional argument: 'mask'").
+    from strategies.auto import planner_step
+
+    module = _meta(_TwoInputs)
+    module.example_input_array = [torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long)]
+    example_input, step, b, t = planner_step(module, 1, 2048)
+    est = estimate(module, (1, 1), batch=b, seq_len=t, example_input=example_input, step=step)
+    assert (b, t) == (B, T) and est.activations == estimate(_meta(Llama), (1, 1), batch=B, seq_len=T).activations
+
+
+def test_no_fit_advice_for_a_smaller_micro_batch_runs_that_micro_batch():
+    # The strategy's inputs ignored the micro-batch the planner asked for, so "micro-batch 4" reported the
+    # unchanged requirement of 8.
+    from lightning_shard.planner import NoFitError
+    from lightning_shard.planner.estimate import format_bytes
+    from strategies.auto import planner_step
+
+    module = _meta(Llama)
+    module.example_input_array = torch.zeros(8, T, dtype=torch.long)
+    example_input, step, b, t = planner_step(module, 1, 2048)
+    assert example_input(4, t, torch.device("meta"))[0].shape == (4, T)
+    with pytest.raises(NoFitError) as raised:
+        plan(module, 1, 1, 1024, batch=b, seq_len=t, example_input=example_input, step=step)
+    four = estimate(_meta(Llama), (1, 1), batch=4, seq_len=T).device_total
+    assert f"micro-batch 4: {format_bytes(four)} per device" in str(raised.value)
+
+
+def test_no_fit_advice_names_sequence_and_loss_parallelism_under_tensor_parallelism():
+    # Before, the knobs were checkpointing, offload, resharding, micro-batch and devices; on a long sequence or a
+    # large vocabulary sharding the activations and logits over TP is often the largest saving.
+    from lightning_shard.planner import NoFitError
+    from lightning_shard.planner.estimate import format_bytes
+
+    model = _meta(Llama)
+    with pytest.raises(NoFitError) as raised:
+        plan(model, 4, 4, 1024, batch=B, seq_len=T)
+    message = str(raised.value)
+    both = estimate(model, (2, 2), batch=B, seq_len=T, sequence_parallel=True, loss_parallel=True).device_total
+    assert (
+        "loss parallelism (loss_parallel=True) on" in message and "sequence parallelism (sequence_parallel" in message
+    )
+    assert f"sequence_parallel=True, loss_parallel=True) on 2x2 ac=none: {format_bytes(both)} per device" in message

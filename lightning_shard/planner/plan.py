@@ -323,6 +323,8 @@ def _no_fit_message(result, model, world_size, devices_per_node, memory, margin,
     e = best.estimate
     over = e.device_total - result.budget_bytes
     knobs = _knobs(model, best, result.budget_bytes, common, devices_per_node)
+    knobs += _tensor_parallel_knobs(model, valid, result.budget_bytes, common)
+    knobs.sort(key=lambda k: k[1])
     lines = [f"{name}: {format_bytes(after)} per device ({verdict})" for name, after, verdict in knobs]
     return (
         f"planner: the model does not fit on any configuration of {world_size} devices with {format_bytes(memory)} "
@@ -370,6 +372,34 @@ def _knobs(model, best: MeshOption, budget: int, common: dict, devices_per_node:
     else:
         out.append(("more devices", rest, "does not help: activations and working set alone exceed the budget"))
     out.sort(key=lambda k: k[1])
+    return out
+
+
+def _tensor_parallel_knobs(model, valid: list[MeshOption], budget: int, common: dict) -> list[tuple[str, int, str]]:
+    """Sequence and loss parallelism, where they are off: each (and both) on the tensor-parallel configuration
+    where it needs the least per device. They shrink the activations between blocks and the logits by the TP
+    size, often the largest saving of a long sequence or a large vocabulary."""
+    changes = []
+    if not common["sequence_parallel"]:
+        changes.append(("sequence parallelism (sequence_parallel=True)", {"sequence_parallel": True}))
+    if not common["loss_parallel"]:
+        changes.append(("loss parallelism (loss_parallel=True)", {"loss_parallel": True}))
+    if len(changes) == 2:
+        changes.append(("sequence and loss parallelism (sequence_parallel=True, loss_parallel=True)",
+                        {"sequence_parallel": True, "loss_parallel": True}))  # fmt: skip
+    tp_options = [o for o in valid if o.mesh[1] > 1]
+    out = []
+    for name, change in changes if tp_options else []:
+        trials = []
+        for option in tp_options:
+            e = option.estimate
+            kwargs = dict(common, tp_plan=tp_plan_for(model, option.mesh[1]), replicas=e.replicas,
+                          activation_checkpointing=e.options.checkpointing, cpu_offload=e.cpu_offload,
+                          reshard_after_forward=e.reshard_after_forward, **change)  # fmt: skip
+            trials.append((estimate(model, option.mesh, **kwargs).device_total, option.estimate.config))
+        after, config = min(trials)
+        verdict = "fits" if after <= budget else f"still {format_bytes(after - budget)} over"
+        out.append((f"{name} on {config}", after, verdict))
     return out
 
 

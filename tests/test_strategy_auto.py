@@ -105,6 +105,20 @@ def test_a_budget_nothing_fits_raises_no_fit_on_every_rank():
         _trainer(strategy=strategy, max_steps=1).fit(LitGPT(arch="llama"))
 
 
+@distributed(world_size=2)
+def test_auto_plans_on_the_dataloaders_passed_to_fit():
+    # The planner read only the module's and the datamodule's train_dataloader: with loaders passed to fit it
+    # planned the module's own batch of 4 (or, without one, fell back to TP 1), not the 3 rows the run trains on.
+    from torch.utils.data import DataLoader
+
+    from tests.lightning_models import dataset
+
+    module = LitGPT(arch="llama")
+    strategy = strategies.ShardFSDPTPStrategy(tensor_parallel_size="auto", planner_device_memory="1TiB")
+    _trainer(strategy=strategy, max_steps=1).fit(module, train_dataloaders=DataLoader(dataset(), batch_size=3))
+    assert f"micro-batch 3 x seq {SEQ}" in strategy.planner_table
+
+
 def test_a_model_built_in_configure_model_gets_the_defaults_with_the_reason():
     from strategies import auto
     from strategies.precision import ShardPrecision

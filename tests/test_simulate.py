@@ -128,3 +128,29 @@ def test_cli_reports_memory_and_collectives_and_rejects_bad_requests(tmp_path, c
     assert "does not divide --devices 8" in capsys.readouterr().err
     assert main(["benchmarks.sim_models:nope", "--devices", "8"]) == 1
     assert "cannot load the factory" in capsys.readouterr().err
+
+
+def _not_a_model():
+    return 3
+
+
+def _mlp_without_embedding():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+
+
+def test_cli_names_what_it_cannot_simulate_instead_of_a_traceback(tmp_path, capsys):
+    # Each of these ended in a traceback from deep inside torch or the model (or, for --json, after the whole
+    # simulation had run), and the no-embedding error named a flag the CLI did not have.
+    from lightning_shard.simulate.__main__ import main
+
+    tiny = ["benchmarks.sim_models:llama_tiny", "--devices", "8"]
+    assert main(tiny) == 1  # the default --seq-len 512 is longer than the model's rotary cache of 16
+    err = capsys.readouterr().err
+    assert "first training step failed on token ids of shape (1, 512)" in err and "--seq-len" in err
+    assert main(["tests.test_simulate:_not_a_model", "--devices", "8"]) == 1
+    assert "returned a int, not an nn.Module" in capsys.readouterr().err
+    assert main([*tiny, "--seq-len", "16", "--json", str(tmp_path / "missing" / "out.json")]) == 1
+    assert "does not exist or is not writable" in capsys.readouterr().err
+    mlp = ["tests.test_simulate:_mlp_without_embedding", "--devices", "2", "--seq-len", "4", "--no-checkpoint"]
+    assert main(mlp) == 1 and "pass --vocab-size" in capsys.readouterr().err
+    assert main([*mlp, "--vocab-size", "4", "--precision", "32-true"]) == 0  # the flag the message names exists

@@ -144,6 +144,21 @@ def test_cli_reference_torch_reports_both_engines_and_the_ratios(tmp_path, capsy
     assert not hasattr(torch, "lazy")  # the stand-in device module is gone after the run
 
 
+def test_reference_torch_runs_cpu_offload(tmp_path):
+    # torch's FSDP2 pins its offloaded shards (aten._pin_memory: not implemented for fake tensors) and refuses
+    # offloaded parameters materialised off the host: --cpu-offload --reference torch crashed in both.
+    from lightning_shard.simulate.__main__ import main
+
+    out = tmp_path / "report.json"
+    argv = ["benchmarks.sim_models:llama_tiny", "--devices", "8", "--seq-len", "16", "--cpu-offload"]
+    assert main([*argv, "--reference", "torch", "--no-checkpoint", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    torch_report = report["reference"]
+    assert report["host_bytes_offloaded"] > 0
+    assert torch_report["host_bytes_offloaded"] == report["host_bytes_offloaded"]  # the same fp32 shards
+    assert torch_report["device_bytes_after_setup"] == report["device_bytes_after_setup"]  # the buffers alone
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
 def test_reference_with_tensor_parallelism_runs_torchtitans_plan(sequence_parallel):
     from lightning_shard.simulate.reference import TORCH_ENGINE

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from lightning_shard.simulate.run import SimulationRequest, simulate_training
@@ -55,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--expandable-segments", action="store_true", help="replay the allocator with them on")
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device for the allocator replay")
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids' range when the model has no nn.Embedding")
     p.add_argument("--json", default=None, help="write the report to this file")
     args = p.parse_args(argv)
     try:
+        _check_writable(args.json)
         factory = _load(args.factory)
         request = SimulationRequest(
             devices=args.devices, tensor_parallel_size=args.tensor_parallel_size,
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing, rank=args.rank,
             devices_per_node=args.devices_per_node, checkpoint=not args.no_checkpoint, attention=args.attention,
             sequence_parallel=args.sequence_parallel, expandable_segments=args.expandable_segments, loss=args.loss,
-            loss_parallel=args.loss_parallel,
+            loss_parallel=args.loss_parallel, vocab_size=args.vocab_size,
             device_memory=None if args.device_memory is None else int(args.device_memory * (1 << 30)),
         )  # fmt: skip
         report = simulate_training(factory, request)
@@ -117,6 +120,15 @@ def _fmt(value) -> str:
     if isinstance(value, int) and value >= 1 << 20:
         return f"{value / (1 << 30):.2f} GiB ({value})"
     return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def _check_writable(path: str | None) -> None:
+    """Refuse a ``--json`` path that cannot be written before the simulation runs, not after."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"simulate: --json {path!r}: the folder {folder!r} does not exist or is not writable")
 
 
 def _load(spec: str):

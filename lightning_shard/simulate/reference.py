@@ -134,8 +134,49 @@ def private_sharding_propagation() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fake_host_pinning() -> Iterator[None]:
+    """Let torch's FSDP2 pin its CPU-offloaded shards on fake tensors inside the block.
+
+    Why: ``CPUOffloadPolicy(pin_memory=True)`` calls ``Tensor.pin_memory()`` and ``is_pinned()`` on the host
+    shards, which fake tensors do not implement (``aten._pin_memory``: NYI). Here a fake host tensor's
+    ``pin_memory()`` returns a host copy, what pinning allocates, remembered as pinned (weakly: the copy's life
+    is its storage's), and ``is_pinned()`` answers from that; real tensors are untouched."""
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    pinned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    original_pin, original_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+
+    def pin_memory(self, *args, **kwargs):
+        if not isinstance(self, FakeTensor):
+            return original_pin(self, *args, **kwargs)
+        copy = self.clone()
+        storage = copy.untyped_storage()
+        pinned[id(storage)] = storage
+        return copy
+
+    def is_pinned(self, *args, **kwargs):
+        if not isinstance(self, FakeTensor):
+            return original_is_pinned(self, *args, **kwargs)
+        storage = self.untyped_storage()
+        return pinned.get(id(storage)) is storage
+
+    torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory, torch.Tensor.is_pinned = original_pin, original_is_pinned
+
+
+@contextlib.contextmanager
 def _torch_context(device_type: str, device_count: int) -> Iterator[None]:
-    with stand_in_device_module(device_type, device_count), host_device_meshes(), private_sharding_propagation():
+    with (
+        stand_in_device_module(device_type, device_count),
+        host_device_meshes(),
+        private_sharding_propagation(),
+        fake_host_pinning(),
+    ):
         yield
 
 
@@ -294,6 +335,20 @@ def _clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
+def _materialize(model: nn.Module, device: torch.device, request) -> None:
+    """As torchtitan materialises: on the host under CPU offload (torch's FSDP2 refuses offloaded parameters
+    elsewhere and copies them to the device in each all-gather), the buffers on the device (torchtitan's
+    ``buffer_device``), else everything on the device."""
+    if not request.cpu_offload:
+        model.to_empty(device=device)
+        return
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
 def _loss_parallel():
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -310,6 +365,7 @@ def _engine():
         parallelize=_parallelize,
         clip_grad_norm=_clip_grad_norm,
         device_module=_torch_context,
+        materialize=_materialize,
         loss_parallel=_loss_parallel,
     )
 

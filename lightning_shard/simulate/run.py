@@ -90,6 +90,8 @@ class SimulationRequest:
             raise ValueError(f"simulate: --attention {self.attention!r} is not 'flash' or 'math'")
         if not 0 <= self.rank < self.devices:
             raise ValueError(f"simulate: --rank {self.rank} must be in [0, {self.devices})")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"simulate: --vocab-size {self.vocab_size} must be positive")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("simulate: --steps, --batch and --seq-len must be positive")
         if self.activation_checkpointing not in (False, True, "full", "selective-op"):
@@ -120,6 +122,7 @@ class Engine:
     parallelize: Callable  # (model, mesh, fsdp_mesh, request) -> None: TP, then fully_shard per unit
     clip_grad_norm: Callable  # (parameters, max_norm) -> total norm
     device_module: Callable = lambda device_type, count: contextlib.nullcontext()  # what the engine needs of torch
+    materialize: Callable = lambda model, device, request: model.to_empty(device=device)  # storage for meta params
     loss_parallel: Callable = contextlib.nullcontext  # () -> the context of the loss's forward and backward
     parallel_loss: Callable = lambda loss: loss  # a loss computed inside loss_parallel -> the tensor to backward
 
@@ -147,8 +150,13 @@ def simulate_training(
                 model = factory()
         except Exception as e:
             raise ValueError(f"simulate: the model factory {factory!r} failed: {e!r}") from e
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"simulate: the model factory {factory!r} returned a {type(model).__name__}, not an nn.Module; "
+                "it must return the model (token ids in, logits out)"
+            )
         engine.parallelize(model, mesh, fsdp_mesh, request)
-        model.to_empty(device=world.device)
+        engine.materialize(model, world.device, request)
         with torch.no_grad():
             for m in model.modules():
                 if callable(getattr(m, "reset_parameters", None)):
@@ -157,8 +165,8 @@ def simulate_training(
         host_after_setup = mem.live["cpu"]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         vocab = request.vocab_size or _vocab_of(model)
-        for _ in range(request.steps):
-            with comm.count_collectives() as ours, mem.count_collectives() as dispatched:
+        for step in range(request.steps):
+            with comm.count_collectives() as ours, mem.count_collectives() as dispatched, _step_errors(step, request):
                 x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
                 # As the strategy: forward, loss and backward inside loss parallelism (its backward ops need it)
                 with engine.loss_parallel() if request.loss_parallel else contextlib.nullcontext():
@@ -190,6 +198,24 @@ def simulate_training(
         "simulation_cpu_seconds": round(time.process_time() - started_cpu, 1),  # this process's CPU time
         "engine": engine.name,
     }
+
+
+@contextlib.contextmanager
+def _step_errors(step: int, request: SimulationRequest):
+    """Name the step and its input when the first training step fails (a model that limits the sequence length,
+    a batch it cannot take): the CLI prints a ``ValueError``'s message, not a traceback from inside the model.
+    Later steps run the same code, so their errors pass unchanged."""
+    if step > 0:
+        yield
+        return
+    try:
+        yield
+    except (RuntimeError, IndexError, TypeError, AssertionError) as e:
+        raise ValueError(
+            f"simulate: the first training step failed on token ids of shape ({request.batch}, {request.seq_len}): "
+            f"{type(e).__name__}: {e}. If the model limits the sequence length (a position table, a rotary "
+            "cache), pass a --seq-len it accepts"
+        ) from e
 
 
 def _replay_allocator(trace: list, request: SimulationRequest) -> dict:

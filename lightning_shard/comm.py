@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lightning_shard.device import accelerator_types, handle_for
+
 __all__ = [
     "CollectiveCounts",
     "count_collectives",
@@ -132,6 +134,23 @@ def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Te
                 f"serves {sorted(served)} only; move the tensor to {sorted(served)[0]!r} or use a group that serves "
                 f"{t.device.type!r} (e.g. backend 'cpu:gloo,cuda:nccl')"
             )
+        _check_accelerator_index(what, t)
+
+
+def _check_accelerator_index(what: str, t: torch.Tensor) -> None:
+    """An accelerator tensor must be on this process's device: NCCL binds a process's communicator to one GPU,
+    so a tensor on another (shards on cuda:0 while Lightning chose cuda:2 for ``Trainer(devices=[2, 3])``)
+    fails inside NCCL or hangs the group."""
+    if t.device.index is None or t.device.type not in accelerator_types():
+        return
+    expected = handle_for(t.device).current_device()
+    if expected.index is not None and t.device.index != expected.index:
+        raise RuntimeError(
+            f"lightning_shard.comm.{what} at {_call_site()}: a tensor on {t.device} (shape {tuple(t.shape)}) "
+            f"entered a collective, but this process's device is {expected}: a process's collectives run on its "
+            f"own device. Move the tensor to {expected}, or set the device before building the mesh "
+            f"(torch.{t.device.type}.set_device)"
+        )
 
 
 def _call_site() -> str:

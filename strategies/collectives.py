@@ -34,6 +34,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 
+from lightning_shard import comm
 from lightning_shard.mesh import DeviceMesh
 
 __all__ = [
@@ -60,6 +61,13 @@ def is_default_group(group: Any) -> bool:
     return group is None or (_distributed_is_initialized() and group is dist.group.WORLD)
 
 
+def _check_devices(what: str, group: Any, tensor: torch.Tensor) -> None:
+    """Lightning's collectives run on torch.distributed directly: the same device check as the engine's own
+    (``lightning_shard.comm.check_devices``), so a host tensor sent over an NCCL group raises naming the caller."""
+    if _distributed_is_initialized() and isinstance(tensor, torch.Tensor):
+        comm.check_devices(what, group, tensor)
+
+
 def _tp_size(mesh: DeviceMesh | None) -> int:
     if mesh is None or mesh.mesh_dim_names is None or TP_DIM not in mesh.mesh_dim_names:
         return 1
@@ -71,6 +79,7 @@ def reduce_over_data_parallel(
 ) -> torch.Tensor:
     """Lightning's all-reduce (in place, as Lightning's); a sum over the default group under TP is divided by the
     TP size so that each data-parallel replica counts once (an integer sum with floor division)."""
+    _check_devices("reduce", group, tensor)
     out = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
     tp = _tp_size(mesh)
     if tp > 1 and is_default_group(group) and is_sum(reduce_op) and _distributed_is_initialized():
@@ -86,6 +95,7 @@ def all_gather_over_data_parallel(
 ) -> torch.Tensor:
     """Lightning's all-gather (``(world_size, ...)``); over the default group under TP, the data-parallel
     replicas' tensors only (``(data_parallel_size, ...)``, in data-parallel rank order)."""
+    _check_devices("all_gather", group, tensor)
     gathered = _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
     if _tp_size(mesh) == 1 or not is_default_group(group) or not _distributed_is_initialized():
         return gathered
@@ -108,5 +118,7 @@ def decided_on_ranks(decision: bool, device: torch.device, all: bool = True) -> 
     """
     if not _distributed_is_initialized():
         return decision
-    count = _sync_ddp_if_available(torch.tensor(int(decision), device=device), None, reduce_op="sum")
+    flag = torch.tensor(int(decision), device=device)
+    _check_devices("reduce_boolean_decision", None, flag)
+    count = _sync_ddp_if_available(flag, None, reduce_op="sum")
     return bool(count == dist.get_world_size()) if all else bool(count)

@@ -1056,6 +1056,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
         if isinstance(tensor, DTensor):  # a loss under loss_parallel: its value on this rank, whole (a partial sum
             tensor = replicated_loss(tensor.detach())  # with label smoothing), as a plain tensor for c10d
         if group is not None:  # only None is Lightning's default here (self.log's sync_dist_group)
+            if _distributed_is_initialized():
+                comm.check_devices("reduce", group, tensor)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return collectives.reduce_over_data_parallel(tensor, self._device_mesh, None, reduce_op)
 

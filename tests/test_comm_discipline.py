@@ -35,6 +35,8 @@ def _direct_collectives(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":  # from torch import distributed as d
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
         elif isinstance(node, ast.ImportFrom) and node.module in (
             "torch.distributed",
             "torch.distributed.distributed_c10d",
@@ -63,13 +65,14 @@ def test_the_scan_finds_direct_calls(tmp_path):
     # the scanner itself must be able to fail
     source = tmp_path / "x.py"
     source.write_text(
-        "import torch.distributed as d\nfrom torch.distributed import broadcast as bc\n"
-        "d.all_reduce(t)\nbc(t, 0)\nd.get_rank()\n"
+        "import torch.distributed as d\nfrom torch.distributed import broadcast as bc\nfrom torch import distributed\n"
+        "d.all_reduce(t)\nbc(t, 0)\nd.get_rank()\ndistributed.all_gather(ts, t)\n"
     )
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert [h.split(" ")[1] for h in _direct_collectives(source)] == ["d.all_reduce", "bc"]
+        found = [h.split(" ")[1] for h in _direct_collectives(source)]
+        assert found == ["d.all_reduce", "bc", "distributed.all_gather"]
     finally:
         ROOT = saved
 
@@ -103,3 +106,18 @@ def test_meta_tensors_pass_the_device_check(monkeypatch):
         comm.check_devices("broadcast", group, torch.empty(2, device="meta"))
     finally:
         comm._SERVED.pop(id(group), None)
+
+
+def test_an_accelerator_tensor_on_another_device_than_the_process_s_raises():
+    # NCCL binds a process's communicator to its GPU: shards on cuda:2 while this rank's device is cuda:5 (the
+    # Trainer(devices=[...]) class of bug) fail inside NCCL or hang. The check compared device types only.
+    from lightning_shard import init_device_mesh
+    from lightning_shard.simulate import simulated_world
+
+    with simulated_world(8, rank=5) as world:
+        mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
+        assert world.device == torch.device(world.device_type, 5)
+        comm.all_reduce(torch.zeros(3, device=world.device), mesh.get_group())  # its own device: fine
+        elsewhere = torch.zeros(3, device=torch.device(world.device_type, 2))
+        with pytest.raises(RuntimeError, match=r"tensor on lazy:2 .* this process's device is lazy:5"):
+            comm.all_reduce(elsewhere, mesh.get_group())

@@ -19,8 +19,8 @@ What the planner is told so that both describe the same step:
   keeps the ``B x H x S x S`` scores, upcast to fp32, for backward);
 * HYBRID_SHARD: the simulator's replicas are its nodes (``--devices-per-node``), the planner's ``replicas``.
 
-Not compared yet: activation checkpointing; gradient clipping's all-reduce (the simulator clips every step; the
-planner does not count clipping).
+Not compared: gradient clipping's all-reduce (the simulator clips every step; the planner does not count
+clipping).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class Config:
     devices_per_node: int = 8
     batch: int = 2
     seq_len: int = 256
+    ac: str | None = None  # activation checkpointing of every block: "full" or "selective-op"
 
     @property
     def replicas(self) -> int:
@@ -82,6 +83,9 @@ CONFIGS = [
     Config("dp 8", 8, precision="32-true"),
     Config("dp 4 x tp 2", 8, tp=2, precision="32-true"),
     Config("HSDP 4 x 4 (16 devices, 4 per node)", 16, hybrid=True, devices_per_node=4),
+    Config("dp 8, full AC", 8, ac="full"),
+    Config("dp 4 x tp 2, full AC", 8, tp=2, ac="full"),
+    Config("dp 8, selective op AC", 8, ac="selective-op"),
 ]
 
 
@@ -90,7 +94,7 @@ def simulate(c: Config, attention: str) -> dict:
         attention=attention, checkpoint=False,
         devices=c.devices, tensor_parallel_size=c.tp, precision=c.precision, batch=c.batch, seq_len=c.seq_len,
         steps=2, cpu_offload=c.cpu_offload, devices_per_node=c.devices_per_node,
-        sharding_strategy="HYBRID_SHARD" if c.hybrid else "FULL_SHARD",
+        sharding_strategy="HYBRID_SHARD" if c.hybrid else "FULL_SHARD", activation_checkpointing=c.ac or False,
     )  # fmt: skip
     return simulate_training(small_llama, request)
 
@@ -106,6 +110,7 @@ def plan(c: Config, attention: str, profiles: dict):
     return estimate(
         model, (c.devices // c.tp, c.tp), precision=c.precision, batch=c.batch, seq_len=c.seq_len,
         loss_fn=mean_loss, activations=profiles[key], cpu_offload=c.cpu_offload, replicas=c.replicas,
+        activation_checkpointing=c.ac,
     )  # fmt: skip
 
 

@@ -354,17 +354,21 @@ class ActivationProfile:
             replicated_input = f in regions or f in col or tp == 1 or not opts.sequence_parallel
             saved += inp if replicated_input else inp / tp
         if opts.checkpointing == "selective-op":
-            saved += self._selective_op_saved(plan, opts, tp, ckpt_set)
+            # the outputs the policy saves are kept from forward; the recomputation rebuilds the rest only
+            kept = self._selective_op_saved(plan, opts, tp, ckpt_set)
+            saved += sum(kept.values())
+            inside = {f: max(0.0, b - kept.get(f, 0.0)) for f, b in inside.items()}
         return {
             "saved": int(saved),
             "recompute": int(max(inside.values(), default=0.0)),
             "block": int(max(per_block.values(), default=0.0)),
         }
 
-    def _selective_op_saved(self, plan: dict, opts: ActivationOptions, tp: int, ckpt: set[str]) -> float:
-        """torchtitan's selective op policy: save attention outputs and every second matmul output per block."""
+    def _selective_op_saved(self, plan: dict, opts: ActivationOptions, tp: int, ckpt: set[str]) -> dict[str, float]:
+        """torchtitan's selective op policy: save attention outputs and every second matmul output per block.
+        Per-rank bytes by checkpointed module."""
         col, row, regions = _sharded_regions(plan) if tp > 1 and plan else (set(), set(), set())
-        total = 0.0
+        kept: dict[str, float] = {}
         mm_count: dict[str, int] = {}
         for path, kind, nbytes in self.op_outputs:
             o = next((p for p in path if p in ckpt), None)
@@ -378,8 +382,8 @@ class ActivationProfile:
                 sharded = inner in col or (inner in row and opts.sequence_parallel)
             else:
                 sharded = any(p in regions for p in path)
-            total += nbytes / tp if sharded and tp > 1 else nbytes
-        return total
+            kept[o] = kept.get(o, 0.0) + (nbytes / tp if sharded and tp > 1 else nbytes)
+        return kept
 
     def per_rank(self, plan: dict, tp: int, opts: ActivationOptions | None = None) -> int:
         """Saved bytes per rank when ``plan`` shards the model over ``tp`` ranks (see the module docstring)."""
@@ -400,13 +404,13 @@ class ActivationProfile:
     def loss_forward_bytes(self, tp: int, opts: ActivationOptions | None = None, plan: dict | None = None) -> int:
         """End of forward: the logits and what the loss allocates beyond the tensors it saves (e.g. the fp32
         copy of bf16 logits), measured on the meta run; sharded over TP only under loss parallel. With the
-        logits all-gathered over TP (no loss parallel), the gather along the vocabulary holds the local logits,
-        their copy laid out for the collective, the gathered buffer and the logits laid out again: the larger
-        of the two."""
+        logits all-gathered over TP (no loss parallel), the gather along the vocabulary holds the local logits
+        (sent as they lie: ``Redistribution.all_gather``), the gathered buffer and the logits laid out along the
+        vocabulary: the larger of the two."""
         opts = opts or ActivationOptions()
         gathered = self._gathered_logits(plan, tp, opts) * self.compute_size
         local = self.loss_forward // (tp if opts.loss_parallel else 1) + self._decomposed_log_softmax(tp, opts)
-        return max(local, 2 * gathered + 2 * gathered // tp)
+        return max(local, 2 * gathered + gathered // tp)
 
     def _decomposed_log_softmax(self, tp: int, opts: ActivationOptions) -> int:
         """Loss parallel runs log-softmax and its backward as local ops around two all-reduces

@@ -131,6 +131,26 @@ def planner_step(module: nn.Module, batch: int, seq_len: int) -> tuple[Callable 
     return None, None, batch, seq_len
 
 
+def planned_sequence_parallel(module: nn.Module, sequence_parallel, tp_plan) -> bool:
+    """Whether the planner should assume sequence parallelism: ``True``/``False`` as given; ``"auto"`` with
+    ``tp_plan="auto"`` as ``auto_tp_plan`` decides it for this model (it turns it off for Hugging Face models,
+    recurrences, position tables outside the blocks); off for any other plan (the user's plan decides).
+
+    Example: ``planned_sequence_parallel(lightning_module, "auto", "auto")`` -> ``True`` for a plain Llama.
+    """
+    if sequence_parallel != AUTO:
+        return bool(sequence_parallel)
+    if tp_plan != AUTO:
+        return False
+    from lightning_shard.tp import auto_tp_plan
+
+    try:  # the decision does not depend on the TP size: probe with 2
+        _, summary = auto_tp_plan(module, 2, sequence_parallel=AUTO, return_summary=True)
+    except Exception:  # noqa: BLE001 - a model the plan cannot read: plan without (the larger footprint)
+        return False
+    return any(line.startswith("sequence_parallel: on") for line in summary)
+
+
 def first_train_batch(module: nn.Module):
     """The first batch of the train data the Trainer will use (dataloaders passed to ``fit``, the datamodule's,
     the module's ``train_dataloader``), or ``None`` when there is none yet. Drawing it leaves every random

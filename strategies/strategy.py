@@ -489,8 +489,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             configuration = choose_configuration(
                 module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
                 batch=batch, seq_len=seq_len, example_input=example_input, step=step,
-                # "auto" may still turn out off for this model: the estimate assumes it off (the larger footprint)
-                sequence_parallel=self.sequence_parallel is True, loss_parallel=self.loss_parallel,
+                sequence_parallel=auto.planned_sequence_parallel(module, self.sequence_parallel, self.tp_plan),
+                loss_parallel=self.loss_parallel,
                 hybrid_shard=hybrid, device=device, **kwargs,
             )  # fmt: skip
         except NoFitError as e:  # nothing fits: the planner's message says by how much and which knob helps most

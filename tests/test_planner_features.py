@@ -347,3 +347,24 @@ def test_no_fit_advice_names_sequence_and_loss_parallelism_under_tensor_parallel
         "loss parallelism (loss_parallel=True) on" in message and "sequence parallelism (sequence_parallel" in message
     )
     assert f"sequence_parallel=True, loss_parallel=True) on 2x2 ac=none: {format_bytes(both)} per device" in message
+
+
+def test_strategy_plans_sequence_parallel_auto_as_the_plan_decides_it():
+    # sequence_parallel="auto" (the default) was planned as off: the planner overestimated every TP configuration
+    # of a model that does get sequence parallelism, and could choose checkpointing or offload it did not need.
+    pytest.importorskip("lightning")
+    import strategies
+    from strategies import auto
+    from strategies.precision import ShardPrecision
+
+    tables = {}
+    for sp in ("auto", False):
+        strategy = strategies.ShardFSDPTPStrategy(
+            tensor_parallel_size="auto", sequence_parallel=sp, parallel_devices=[torch.device("cpu")] * 4
+        )
+        strategy._lightning_module = _PlainLightningModule()
+        strategy.precision_plugin = ShardPrecision("32-true", "cpu")
+        strategy._apply_auto(auto.Request(tensor_parallel_size="auto", **strategy._auto_request), 4)
+        tables[sp] = strategy.planner_table
+    assert "2x2 ac=none sp " in tables["auto"] and " sp " not in tables[False]
+    assert not auto.planned_sequence_parallel(_PlainLightningModule(), "auto", {"net.output": None})  # a user plan

@@ -160,7 +160,9 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         # Fabric's connector hands us its generic plugin for the precision string; keep the string, use ours
         # (so "bf16-mixed" means the same as in the Trainer strategy, and unsupported strings raise).
         if plugin is not None and not isinstance(plugin, ShardFabricPrecision):
-            plugin = ShardFabricPrecision(getattr(plugin, "precision", "32-true"), self._device())
+            # Fabric's MixedPrecision names its accelerator's autocast device (see the Trainer strategy's setter)
+            device = getattr(plugin, "device", None) or self._device()
+            plugin = ShardFabricPrecision(getattr(plugin, "precision", "32-true"), device)
         self._precision = plugin
 
     def _device(self) -> str:

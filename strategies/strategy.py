@@ -305,7 +305,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def precision_plugin(self, plugin) -> None:
         # Lightning hands us its generic plugin for the precision string; keep the string, use ours.
         if plugin is not None and not isinstance(plugin, ShardPrecision):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            # Lightning's MixedPrecision names the autocast device its accelerator uses ("cpu" for
+            # Trainer(accelerator="cpu") on a machine with a GPU, where autocast("cuda") would leave every op alone)
+            device = getattr(plugin, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
             plugin = ShardPrecision(getattr(plugin, "precision", "32-true"), device)
         self._precision_plugin = plugin
 

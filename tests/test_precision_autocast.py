@@ -133,3 +133,27 @@ def test_true_precisions_make_step_tensors_in_their_dtype_as_on_one_device():
         ours = _default_dtype_in_a_step(precision, accelerator="cpu", devices=2, strategy="shard_fsdp_tp")
         assert ours == one_device, (precision, ours)
         assert torch.get_default_dtype() == torch.float32  # restored after the step
+
+
+def test_the_autocast_device_is_the_accelerators_even_where_cuda_exists(monkeypatch):
+    # Trainer(accelerator="cpu", precision="bf16-mixed") on a machine with a GPU: the strategy replaced Lightning's
+    # MixedPrecision(device="cpu") by autocast("cuda"), which leaves every CPU op in fp32 (no error).
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    strategy = strategies.ShardFSDPTPStrategy()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy.precision_plugin.device == "cpu"
+    with strategy.precision_plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_fabrics_autocast_device_is_the_accelerators_even_where_cuda_exists(monkeypatch):
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from strategies.fabric import ShardFSDPTPFabricStrategy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    strategy = ShardFSDPTPFabricStrategy()
+    strategy.precision = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy.precision.trainer_plugin.device == "cpu"

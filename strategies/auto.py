@@ -23,6 +23,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -181,19 +182,13 @@ def first_train_batch(module: nn.Module):
 @contextmanager
 def _random_states_kept():
     """Restore torch's CPU generator, Python's and NumPy's global random states on exit."""
-    python_state = random.getstate()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        np = None
-    numpy_state = np.random.get_state() if np is not None else None
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
             random.setstate(python_state)
-            if np is not None:
-                np.random.set_state(numpy_state)
+            np.random.set_state(numpy_state)
 
 
 def _batch_and_seq(obj, batch: int, seq_len: int) -> tuple[int, int]:
@@ -209,7 +204,8 @@ def _on_meta(obj, data_batch: int, batch: int):
     """``obj``'s tensors on the meta device, those with ``data_batch`` rows resized to ``batch`` rows."""
 
     def meta(t: torch.Tensor) -> torch.Tensor:
-        rows = batch if t.ndim and t.shape[0] == data_batch else (t.shape[0] if t.ndim else None)
-        return t.new_empty((rows, *t.shape[1:]) if t.ndim else (), device="meta")
+        if t.ndim and t.shape[0] == data_batch:
+            return t.new_empty((batch, *t.shape[1:]), device="meta")
+        return t.to("meta")
 
     return torch.utils._pytree.tree_map_only(torch.Tensor, meta, obj)

@@ -146,7 +146,7 @@ def test_cli_names_what_it_cannot_simulate_instead_of_a_traceback(tmp_path, caps
     tiny = ["benchmarks.sim_models:llama_tiny", "--devices", "8"]
     assert main(tiny) == 1  # the default --seq-len 512 is longer than the model's rotary cache of 16
     err = capsys.readouterr().err
-    assert "first training step failed on token ids of shape (1, 512)" in err and "--seq-len" in err
+    assert "first forward failed on token ids of shape (1, 512)" in err and "--seq-len" in err
     assert main(["tests.test_simulate:_not_a_model", "--devices", "8"]) == 1
     assert "returned a int, not an nn.Module" in capsys.readouterr().err
     assert main([*tiny, "--seq-len", "16", "--json", str(tmp_path / "missing" / "out.json")]) == 1

@@ -166,12 +166,13 @@ def simulate_training(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         vocab = request.vocab_size or _vocab_of(model)
         for step in range(request.steps):
-            with comm.count_collectives() as ours, mem.count_collectives() as dispatched, _step_errors(step, request):
+            with comm.count_collectives() as ours, mem.count_collectives() as dispatched:
                 x = torch.randint(0, vocab, (request.batch, request.seq_len), device=world.device)
                 # As the strategy: forward, loss and backward inside loss parallelism (its backward ops need it)
                 with engine.loss_parallel() if request.loss_parallel else contextlib.nullcontext():
                     mem.phase = "forward"
-                    loss = _loss(model(x), x, request)
+                    with _model_input_errors(request) if step == 0 else contextlib.nullcontext():
+                        loss = _loss(model(x), x, request)
                     if request.loss_parallel:
                         loss = engine.parallel_loss(loss)
                     mem.phase = "backward"
@@ -201,18 +202,15 @@ def simulate_training(
 
 
 @contextlib.contextmanager
-def _step_errors(step: int, request: SimulationRequest):
-    """Name the step and its input when the first training step fails (a model that limits the sequence length,
-    a batch it cannot take): the CLI prints a ``ValueError``'s message, not a traceback from inside the model.
-    Later steps run the same code, so their errors pass unchanged."""
-    if step > 0:
-        yield
-        return
+def _model_input_errors(request: SimulationRequest):
+    """Name the input when the first forward fails (a model that limits the sequence length, a batch it cannot
+    take): the CLI prints a ``ValueError``'s message, not a traceback from inside the model. The original error
+    is chained and its text kept."""
     try:
         yield
-    except (RuntimeError, IndexError, TypeError, AssertionError) as e:
+    except (RuntimeError, IndexError, TypeError) as e:
         raise ValueError(
-            f"simulate: the first training step failed on token ids of shape ({request.batch}, {request.seq_len}): "
+            f"simulate: the first forward failed on token ids of shape ({request.batch}, {request.seq_len}): "
             f"{type(e).__name__}: {e}. If the model limits the sequence length (a position table, a rotary "
             "cache), pass a --seq-len it accepts"
         ) from e

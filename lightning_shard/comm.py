@@ -47,6 +47,9 @@ __all__ = [
     "barrier",
     "served_device_types",
     "check_devices",
+    "host_collectives",
+    "host_collectives_for",
+    "strict_host_collectives",
     "REDUCE_OPS",
 ]
 
@@ -135,6 +138,74 @@ def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Te
                 f"{t.device.type!r} (e.g. backend 'cpu:gloo,cuda:nccl')"
             )
         _check_accelerator_index(what, t)
+        _check_host_round_trip(what, served, t)
+
+
+# Strict host discipline (the simulator turns it on): a host tensor in a collective over a group that also serves
+# an accelerator goes through the group's CPU backend (gloo), a device-to-host round trip that is only right
+# where the engine means it (CPU-offloaded shards, a model built on the host being split). Those places say so
+# with ``host_collectives()``; any other is an accelerator path that fell back to the host unnoticed.
+_STRICT_HOST = [False]
+_HOST_INTENDED = [0]
+
+
+@contextlib.contextmanager
+def strict_host_collectives() -> Iterator[None]:
+    """Inside the block, a host tensor in a collective over a group that serves an accelerator raises unless the
+    caller runs it inside ``host_collectives()`` (``lightning_shard.simulate`` runs every simulation this way).
+
+    Example::
+
+        with strict_host_collectives():
+            train_one_step()   # raises where a host tensor reached an accelerator group by accident
+    """
+    saved, _STRICT_HOST[0] = _STRICT_HOST[0], True
+    try:
+        yield
+    finally:
+        _STRICT_HOST[0] = saved
+
+
+@contextlib.contextmanager
+def host_collectives() -> Iterator[None]:
+    """Mark the collectives of host tensors inside the block as intended (CPU offload, host-side setup).
+
+    Example::
+
+        with host_collectives():
+            all_reduce(offloaded_norm, group)
+    """
+    _HOST_INTENDED[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_INTENDED[0] -= 1
+
+
+def host_collectives_for(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``host_collectives()`` when ``tensor`` (a DTensor: its local part) lives on the host, else nothing: for
+    code that handles CPU-offloaded and device state alike.
+
+    Example::
+
+        with host_collectives_for(grad):
+            all_reduce(norm_term, group)
+    """
+    local = getattr(tensor, "_local_tensor", tensor)
+    return host_collectives() if local.device.type == "cpu" else contextlib.nullcontext()
+
+
+def _check_host_round_trip(what: str, served: frozenset[str], t: torch.Tensor) -> None:
+    if not _STRICT_HOST[0] or _HOST_INTENDED[0] or t.device.type != "cpu":
+        return
+    accelerators = sorted(served & set(accelerator_types()))
+    if accelerators:
+        raise RuntimeError(
+            f"lightning_shard.comm.{what} at {_call_site()}: a host tensor (shape {tuple(t.shape)}) entered a "
+            f"collective over a group that serves {accelerators[0]!r}: it goes through the group's CPU backend, a "
+            f"device-to-host round trip. Keep the tensor on {accelerators[0]!r}, or, where a host collective is "
+            "meant (CPU-offloaded state), run it inside lightning_shard.comm.host_collectives()"
+        )
 
 
 def _check_accelerator_index(what: str, t: torch.Tensor) -> None:

@@ -114,7 +114,8 @@ def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     for group, _, values in _grouped_local_terms(grads, p).values():
         value = _combine(torch.stack(values).to(device), op)
         if group is not None:
-            comm.all_reduce(value, group, op)
+            with comm.host_collectives_for(grads[0]):  # CPU-offloaded gradients: their norm is reduced on the host
+                comm.all_reduce(value, group, op)
         partials.append(value)
     total = _combine(torch.stack(partials), op)
     return _root(total, p)

@@ -637,7 +637,8 @@ def broadcast_plain_model(model: nn.Module, mesh: DeviceMesh) -> None:
             if not isinstance(t, DTensor) and not t.is_meta:
                 for dim in range(mesh.ndim):
                     if mesh.size(dim) > 1:
-                        comm.broadcast(t.data, 0, mesh.get_group(dim))
+                        with comm.host_collectives_for(t):  # a model built on the host stays there until sharded
+                            comm.broadcast(t.data, 0, mesh.get_group(dim))
 
 
 def check_no_drift(model: nn.Module) -> None:
@@ -651,15 +652,16 @@ def check_no_drift(model: nn.Module) -> None:
             f"shard_fsdp_tp: parameters {plain[:5]} are neither sharded nor replicated DTensors after setup; they "
             "could drift apart across ranks. Remove them from ignored parameters or shard them."
         )
-    by_group: dict[int, tuple[dist.ProcessGroup, list[tuple[str, torch.Tensor]]]] = {}
+    by_group: dict[int, tuple[dist.ProcessGroup, list[tuple[str, torch.Tensor]], DTensor]] = {}
     for name, p in model.named_parameters():
         for i, placement in enumerate(p.placements):
             if placement.is_replicate() and p.device_mesh.size(i) > 1:
                 group = p.device_mesh.get_group(i)
-                by_group.setdefault(id(group), (group, []))[1].append((name, p.to_local().detach().double().sum()))
-    for group, items in by_group.values():
+                by_group.setdefault(id(group), (group, [], p))[1].append((name, p.to_local().detach().double().sum()))
+    for group, items, first in by_group.values():
         sums = torch.stack([s for _, s in items])  # on the parameters' device: the device the group serves
-        gathered = comm.all_gather_list(sums, group)
+        with comm.host_collectives_for(first):  # CPU-offloaded parameters: their checksums are on the host
+            gathered = comm.all_gather_list(sums, group)
         if not has_data(sums):
             continue  # fake tensors (the simulator): the collective ran, there are no values to compare
         gathered = [g.cpu() for g in gathered]

@@ -53,10 +53,14 @@ def test_cpu_tensor_on_the_accelerator_group_raises_naming_the_call_site():
         with pytest.raises(RuntimeError, match="torch.distributed.broadcast"):
             dist.broadcast(torch.zeros(3), src=0)
         comm.all_reduce(torch.zeros(3, device=world.device), dist.group.WORLD)  # the accelerator: fine
-        # the mesh's groups carry host tensors too (torch's "cpu:gloo,cuda:nccl")
+        # the mesh's groups carry host tensors too (torch's "cpu:gloo,cuda:nccl"), where the engine means it
         mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
-        comm.all_reduce(torch.zeros(3), mesh.get_group())
+        with comm.host_collectives():
+            comm.all_reduce(torch.zeros(3), mesh.get_group())
         assert comm.served_device_types(mesh.get_group()) == {"cpu", world.device_type}
+        # anywhere else a host tensor there is a device-to-host round trip on an accelerator path: refused
+        with pytest.raises(RuntimeError, match=r"host tensor .* device-to-host round trip"):
+            comm.all_reduce(torch.zeros(3), mesh.get_group())
 
 
 def test_fully_shard_step_as_rank_3_of_8_counts_collectives_and_shards_memory():

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor as TorchDTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from lightning_shard import comm
 from lightning_shard.checkpoint._interop import from_torch
 from lightning_shard.checkpoint._validate import Problems, castable, describe
 from lightning_shard.device import same_storage
@@ -67,7 +68,8 @@ def _export(
             value = from_torch(value)
         if isinstance(value, DTensor):
             if full:
-                out = value.full_tensor()  # one parameter at a time: peak extra memory ~ this tensor
+                with comm.host_collectives_for(value):  # CPU-offloaded shards are gathered on the host
+                    out = value.full_tensor()  # one parameter at a time: peak extra memory ~ this tensor
             else:
                 local = value._local_tensor.detach()
                 if cpu_offload:
@@ -142,7 +144,11 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
         if not _same_memory(src, local):
             local.copy_(src)
     else:
-        src = value.full_tensor() if isinstance(value, DTensor) else value
+        if isinstance(value, DTensor):
+            with comm.host_collectives_for(value):
+                src = value.full_tensor()
+        else:
+            src = value
         if not _same_memory(src, target):
             target.copy_(src)
 

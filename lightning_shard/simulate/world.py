@@ -82,7 +82,9 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
     handle = RecordingHandle(STAND_IN_DEVICE, device_count=min(devices_per_node, world_size))
     handle.set_device(rank % handle.device_count())
     handle.calls.clear()
-    with register_handle(handle), _device_module(handle), _guarded_collectives():
+    from lightning_shard import comm
+
+    with register_handle(handle), _device_module(handle), _guarded_collectives(), comm.strict_host_collectives():
         dist.init_process_group(handle.backend, store=FakeStore(), rank=rank, world_size=world_size)
         try:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -47,8 +47,9 @@ def distribute_tensor(
     full = tensor.detach()
     if src_data_rank is not None:
         full = full.contiguous().clone()
-        for i in range(device_mesh.ndim):
-            comm.broadcast(full, src_data_rank, device_mesh.get_group(i))
+        with comm.host_collectives_for(full):  # a host tensor is split on the host (a model built there)
+            for i in range(device_mesh.ndim):
+                comm.broadcast(full, src_data_rank, device_mesh.get_group(i))
     stride = torch.empty(tensor.shape, device="meta").stride()
     spec = DTensorSpec(device_mesh, placements, tensor.shape, stride, tensor.dtype)
     replicated = spec.with_placements(tuple([Replicate()] * device_mesh.ndim))

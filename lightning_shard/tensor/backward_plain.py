@@ -45,8 +45,9 @@ def _max_equals_min(values: torch.Tensor, mesh) -> bool:
     """Whether the int64 ``values`` are the same on every rank of ``mesh``: one max all-reduce per mesh dim of
     the values and their complement gives max and min elementwise, which every rank then reads alike."""
     both = torch.cat([values, ~values])  # max(~v) = ~min(v), without the overflow of -v
-    for dim in range(mesh.ndim):
-        comm.all_reduce(both, mesh.get_group(dim), op="max")
+    with comm.host_collectives_for(both):  # the values' device: the host for offloaded state
+        for dim in range(mesh.ndim):
+            comm.all_reduce(both, mesh.get_group(dim), op="max")
     n = values.numel()
     return torch.equal(both[:n], ~both[n:])
 

@@ -319,9 +319,10 @@ class _FromLocal(torch.autograd.Function):
             from lightning_shard import comm
 
             local = local.clone(memory_format=torch.contiguous_format)  # one copy; never write the caller's
-            for i, p in enumerate(spec.placements):
-                if p.is_replicate():
-                    comm.broadcast(local, 0, spec.mesh.get_group(i))
+            with comm.host_collectives_for(local):  # a host shard stays on the host
+                for i, p in enumerate(spec.placements):
+                    if p.is_replicate():
+                        comm.broadcast(local, 0, spec.mesh.get_group(i))
         # view_as keeps autograd's view tracking honest: the DTensor aliases the user's tensor.
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 

@@ -208,10 +208,20 @@ def redistribute_local(
     """The local shard, under ``target`` placements, of the DTensor whose local shard is ``local``.
 
     ``compact=False`` lets the result be a view into a larger buffer the redistribution made, for a caller that
-    copies it right away (a random op filling a parameter's shard): no copy beside that buffer.
+    copies it right away (a random op filling a parameter's shard): no copy beside that buffer. A DTensor whose
+    shard lives on the host (CPU offload, a model split on the host) redistributes over its mesh's CPU backend,
+    as meant (``comm.host_collectives``).
 
     Example: ``redistribute_local(x._local_tensor, x._spec, (Replicate(),))`` all-gathers a 1-D shard.
     """
+    with comm.host_collectives_for(local):
+        return _redistribute_local(local, spec, target, compact=compact)
+
+
+def _redistribute_local(
+    local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement], *, compact: bool = True
+) -> torch.Tensor:
+    """``redistribute_local``'s plan and collectives."""
     target = tuple(target)
     if tuple(spec.placements) == target:
         return local

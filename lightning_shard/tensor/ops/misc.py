@@ -41,8 +41,9 @@ def equal_handler(func, args: tuple, kwargs: dict) -> bool:
     placements = tuple(REPLICATE if p.is_partial() else p for p in ref.placements)
     same = torch.equal(_local(a, placements), _local(b, placements))
     verdict = torch.tensor([1 if same else 0], dtype=torch.int32, device=ref._local_tensor.device)
-    for i in range(mesh.ndim):
-        comm.all_reduce(verdict, mesh.get_group(i), "min")
+    with comm.host_collectives_for(verdict):  # the shards' device: the host for offloaded ones
+        for i in range(mesh.ndim):
+            comm.all_reduce(verdict, mesh.get_group(i), "min")
     return bool(verdict.item())
 
 

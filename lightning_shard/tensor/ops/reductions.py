@@ -239,8 +239,9 @@ def vector_norm_handler(func, args: tuple, kwargs: dict):
         terms = norm.double().pow(ord_)  # double: p-th powers of large norms stay finite and exact enough
     else:
         terms = norm.clone()
-    for i in combine:
-        comm.all_reduce(terms, spec.mesh.get_group(i), kind)
+    with comm.host_collectives_for(terms):  # the shards' device: the host for offloaded ones
+        for i in combine:
+            comm.all_reduce(terms, spec.mesh.get_group(i), kind)
     if kind == "sum" and ord_ != 0:
         terms = terms.pow(1.0 / ord_)
     norm = terms.to(norm.dtype)

@@ -47,6 +47,7 @@ __all__ = [
     "barrier",
     "served_device_types",
     "check_devices",
+    "DeviceDisciplineError",
     "host_collectives",
     "host_collectives_for",
     "strict_host_collectives",
@@ -72,6 +73,14 @@ class CollectiveCounts:
     def record(self, kind: str, tensor: torch.Tensor) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+
+class DeviceDisciplineError(RuntimeError):
+    """A tensor on a device its collective's group does not serve, on another accelerator than this process's, or
+    (strict host discipline) on the host by accident; the message names the call site.
+
+    Example: ``check_devices("all_reduce", nccl_group, torch.zeros(2))`` raises it.
+    """
 
 
 _COUNTERS: list[CollectiveCounts] = []
@@ -131,7 +140,7 @@ def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Te
         # meta tensors carry no data (distributing a meta-initialised model): there is nothing to send
         if t.device.type not in served and t.device.type != "meta":
             config = dist.get_backend_config(group or dist.group.WORLD)
-            raise RuntimeError(
+            raise DeviceDisciplineError(
                 f"lightning_shard.comm.{what} at {_call_site()}: a tensor on {t.device} (shape {tuple(t.shape)}) "
                 f"entered a collective over a group whose backend ({config}) "
                 f"serves {sorted(served)} only; move the tensor to {sorted(served)[0]!r} or use a group that serves "
@@ -200,7 +209,7 @@ def _check_host_round_trip(what: str, served: frozenset[str], t: torch.Tensor) -
         return
     accelerators = sorted(served & set(accelerator_types()))
     if accelerators:
-        raise RuntimeError(
+        raise DeviceDisciplineError(
             f"lightning_shard.comm.{what} at {_call_site()}: a host tensor (shape {tuple(t.shape)}) entered a "
             f"collective over a group that serves {accelerators[0]!r}: it goes through the group's CPU backend, a "
             f"device-to-host round trip. Keep the tensor on {accelerators[0]!r}, or, where a host collective is "
@@ -216,7 +225,7 @@ def _check_accelerator_index(what: str, t: torch.Tensor) -> None:
         return
     expected = handle_for(t.device).current_device()
     if expected.index is not None and t.device.index != expected.index:
-        raise RuntimeError(
+        raise DeviceDisciplineError(
             f"lightning_shard.comm.{what} at {_call_site()}: a tensor on {t.device} (shape {tuple(t.shape)}) "
             f"entered a collective, but this process's device is {expected}: a process's collectives run on its "
             f"own device. Move the tensor to {expected}, or set the device before building the mesh "

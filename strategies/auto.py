@@ -132,31 +132,12 @@ def planner_step(module: nn.Module, batch: int, seq_len: int) -> tuple[Callable 
     return None, None, batch, seq_len
 
 
-def planned_sequence_parallel(module: nn.Module, sequence_parallel, tp_plan) -> bool:
-    """Whether the planner should assume sequence parallelism: ``True``/``False`` as given; ``"auto"`` with
-    ``tp_plan="auto"`` as ``auto_tp_plan`` decides it for this model (it turns it off for Hugging Face models,
-    recurrences, position tables outside the blocks); off for any other plan (the user's plan decides).
-
-    Example: ``planned_sequence_parallel(lightning_module, "auto", "auto")`` -> ``True`` for a plain Llama.
-    """
-    if sequence_parallel != AUTO:
-        return bool(sequence_parallel)
-    if tp_plan != AUTO:
-        return False
-    from lightning_shard.tp import auto_tp_plan
-
-    try:  # the decision does not depend on the TP size: probe with 2
-        _, summary = auto_tp_plan(module, 2, sequence_parallel=AUTO, return_summary=True)
-    except Exception:  # noqa: BLE001 - a model the plan cannot read: plan without (the larger footprint)
-        return False
-    return any(line.startswith("sequence_parallel: on") for line in summary)
-
-
 def first_train_batch(module: nn.Module):
-    """The first batch of the train data the Trainer will use (dataloaders passed to ``fit``, the datamodule's,
-    the module's ``train_dataloader``), or ``None`` when there is none yet. Drawing it leaves every random
-    generator as it was: a shuffling sampler draws its order from torch's generator, and a dataset may use
-    Python's or NumPy's, so the planner's look must not change the run it plans.
+    """A first batch of the train data the Trainer will use (dataloaders passed to ``fit``, the datamodule's,
+    the module's ``train_dataloader``), or ``None`` when there is none yet: for its shapes, so a map-style
+    ``DataLoader``'s first samples in order (``_in_order``). Drawing it leaves every random generator as it was
+    (the loader's own, torch's, Python's and NumPy's: a dataset may use them), so the planner's look does not
+    change the run it plans.
 
     Example: ``first_train_batch(lightning_module)`` -> ``(x, y)``.
     """
@@ -173,10 +154,21 @@ def first_train_batch(module: nn.Module):
     for make in owners:
         try:
             with _random_states_kept():
-                return next(iter(make()))
+                return next(iter(_in_order(make())))
         except Exception:  # noqa: BLE001 - no data yet (or not defined): the planner falls back to its default
             continue
     return None
+
+
+def _in_order(data):
+    """A map-style ``DataLoader``'s first batch taken in order, in this process: the planner needs its shapes, and
+    the loader's own sampler and workers would draw from its generator (its shuffle order, the workers' seeds)
+    or leave persistent workers behind, changing the run it plans. Anything else as it is."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(data, DataLoader) and data.batch_size is not None and not isinstance(data.dataset, IterableDataset):
+        return DataLoader(data.dataset, batch_size=data.batch_size, collate_fn=data.collate_fn)
+    return data
 
 
 @contextmanager

@@ -213,6 +213,7 @@ class ShardFSDPTPFabricStrategy(ParallelStrategy):
         engine.cluster_environment = self.cluster_environment
         engine.parallel_devices = self.parallel_devices
         engine.num_nodes = self.num_nodes
+        self.precision.use_device(self.root_device.type)  # autocast where the model runs
         engine._precision_plugin = self.precision  # mp_policy, convert_module, precision: the same table
         engine._process_group_backend = engine._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device

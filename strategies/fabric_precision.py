@@ -42,6 +42,14 @@ class ShardFabricPrecision(FabricPrecision):
         self.precision = self.trainer_plugin.precision
         self.scaler = self.trainer_plugin.scaler
 
+    def use_device(self, device_type: str) -> None:
+        """``ShardPrecision.use_device``: autocast and the scaler on the root device's type.
+
+        Example: ``plugin.use_device(strategy.root_device.type)``.
+        """
+        self.trainer_plugin.use_device(device_type)
+        self.scaler = self.trainer_plugin.scaler
+
     # ------------------------------------------------------------------ what the engine reads
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:

@@ -103,6 +103,20 @@ class ShardPrecision(Precision):
     def mp_policy(self) -> MixedPrecisionPolicy:
         return _POLICIES[self.precision]
 
+    def use_device(self, device_type: str) -> None:
+        """Autocast (and the fp16 gradient scaler) on ``device_type``, the strategy's root device type once the
+        devices are known. Before that the type is a guess: Lightning's own plugin names ``"cuda"`` for every
+        accelerator it does not know by name (an ``Accelerator`` instance, say). A type autocast does not support
+        (the simulator's stand-in device) keeps the guess.
+
+        Example: ``plugin.use_device(strategy.root_device.type)`` (in the strategies' ``setup_environment``).
+        """
+        if device_type == self.device or not torch.amp.is_autocast_available(device_type):
+            return
+        self.device = device_type
+        if self.scaler is not None:
+            self.scaler = ShardedGradScaler(device_type)
+
     def forward_context(self):
         """``torch.autocast(device, dtype)`` for the "-mixed" precisions (around every step, as Lightning's
         ``MixedPrecision`` does); for the "-true" precisions their dtype as the default dtype, as Lightning's

@@ -305,8 +305,9 @@ class ShardFSDPTPStrategy(ParallelStrategy):
     def precision_plugin(self, plugin) -> None:
         # Lightning hands us its generic plugin for the precision string; keep the string, use ours.
         if plugin is not None and not isinstance(plugin, ShardPrecision):
-            # Lightning's MixedPrecision names the autocast device its accelerator uses ("cpu" for
-            # Trainer(accelerator="cpu") on a machine with a GPU, where autocast("cuda") would leave every op alone)
+            # Lightning's MixedPrecision names the autocast device ("cpu" for Trainer(accelerator="cpu") on a machine
+            # with a GPU, where autocast("cuda") would leave every op alone); setup_environment settles it on the
+            # root device's type (Lightning says "cuda" for an accelerator it does not know by name)
             device = getattr(plugin, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
             plugin = ShardPrecision(getattr(plugin, "precision", "32-true"), device)
         self._precision_plugin = plugin
@@ -335,6 +336,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if isinstance(self.precision_plugin, ShardPrecision):
+            self.precision_plugin.use_device(self.root_device.type)  # autocast where the model runs
         # before the mesh: ranks that build meshes of other shapes pair up the wrong subgroups
         agreement.check_ranks_agree({"strategy arguments": self._argument_entries()}, when="about the strategy")
         self._device_mesh = self._build_mesh()
@@ -491,7 +494,8 @@ class ShardFSDPTPStrategy(ParallelStrategy):
             configuration = choose_configuration(
                 module, world, max(1, self.num_processes), memory, self.precision_plugin.precision,
                 batch=batch, seq_len=seq_len, example_input=example_input, step=step,
-                sequence_parallel=auto.planned_sequence_parallel(module, self.sequence_parallel, self.tp_plan),
+                # "auto": per TP size, as auto_tp_plan decides it; a plan of the user's decides itself
+                sequence_parallel=self.sequence_parallel if self.tp_plan == "auto" else False,
                 loss_parallel=self.loss_parallel,
                 hybrid_shard=hybrid, device=device, **kwargs,
             )  # fmt: skip

@@ -347,24 +347,56 @@ def test_no_fit_advice_names_sequence_and_loss_parallelism_under_tensor_parallel
         "loss parallelism (loss_parallel=True) on" in message and "sequence parallelism (sequence_parallel" in message
     )
     assert f"sequence_parallel=True, loss_parallel=True) on 2x2 ac=none: {format_bytes(both)} per device" in message
+    # never where auto_tp_plan keeps it off (a position table outside the blocks: True would train wrong)
+    from tests.tp_models import LlamaWithPositionTable
+
+    with pytest.raises(NoFitError) as raised:
+        plan(_meta(LlamaWithPositionTable), 4, 4, 1024, batch=B, seq_len=T)
+    assert "loss parallelism (loss_parallel=True) on" in str(raised.value)
+    assert "sequence_parallel=True" not in str(raised.value)
 
 
-def test_strategy_plans_sequence_parallel_auto_as_the_plan_decides_it():
+def test_strategy_plans_sequence_parallel_auto_per_tp_size_as_the_plan_decides_it():
     # sequence_parallel="auto" (the default) was planned as off: the planner overestimated every TP configuration
     # of a model that does get sequence parallelism, and could choose checkpointing or offload it did not need.
+    # The decision depends on the TP size: an MLP hidden size of 50 splits over 2 ranks, not over 4.
     pytest.importorskip("lightning")
     import strategies
+    from lightning_shard.planner.plan import sequence_parallel_applies
     from strategies import auto
     from strategies.precision import ShardPrecision
 
+    class Odd(_PlainLightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Llama(hidden=50)
+
+    assert sequence_parallel_applies(Odd(), 2) and not sequence_parallel_applies(Odd(), 4)
     tables = {}
     for sp in ("auto", False):
         strategy = strategies.ShardFSDPTPStrategy(
             tensor_parallel_size="auto", sequence_parallel=sp, parallel_devices=[torch.device("cpu")] * 4
         )
-        strategy._lightning_module = _PlainLightningModule()
+        strategy._lightning_module = Odd()
         strategy.precision_plugin = ShardPrecision("32-true", "cpu")
         strategy._apply_auto(auto.Request(tensor_parallel_size="auto", **strategy._auto_request), 4)
         tables[sp] = strategy.planner_table
     assert "2x2 ac=none sp " in tables["auto"] and " sp " not in tables[False]
-    assert not auto.planned_sequence_parallel(_PlainLightningModule(), "auto", {"net.output": None})  # a user plan
+
+
+def test_the_planners_batch_leaves_the_loaders_own_generator_and_workers_alone():
+    # The planner drew its batch through the loader: a DataLoader(generator=g) drew its shuffle order and worker
+    # seed from g (rank 0's first epoch then differed from a run without "auto"), and persistent workers stayed.
+    from strategies.auto import first_train_batch
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.arange(12).reshape(12, 1)
+
+    class Seeded(_PlainLightningModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=3, shuffle=True,
+                                               generator=generator)  # fmt: skip
+
+    state = generator.get_state()
+    batch = first_train_batch(Seeded())
+    assert batch[0].shape == (3, 1) and torch.equal(generator.get_state(), state)

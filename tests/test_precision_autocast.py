@@ -95,6 +95,31 @@ def test_trainer_bf16_mixed_first_loss_matches_ddp_autocast():
 
 
 @distributed(world_size=2)
+def test_bf16_mixed_autocasts_with_an_accelerator_instance():
+    # Lightning names "cuda" as the autocast device for any accelerator given as an object; on this CPU the
+    # strategy then ran autocast("cuda"), disabled with a warning: the step ran without autocast (fp32 losses by
+    # chance, bf16 weights: not Lightning's bf16-mixed). setup_environment settles it on the root device's type.
+    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from tests.test_strategy import _trainer
+
+    module = LitClassifier()
+    seen = []
+    module.model.head.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    _trainer(max_steps=1, precision="bf16-mixed", accelerator=CPUAccelerator()).fit(module)
+    assert seen == [True]
+    _check_first_loss(*module.first)
+    fabric = L.Fabric(accelerator=FabricCPU(), devices=2, strategy="shard_fsdp_tp", precision="bf16-mixed")
+    fabric.launch()
+    model = fabric.setup_module(_model())
+    seen.clear()
+    model.module.head.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    model(_data().tensors[0][:2])
+    assert seen == [True]
+
+
+@distributed(world_size=2)
 def test_fabric_bf16_mixed_first_loss_matches_ddp_autocast():
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="shard_fsdp_tp", precision="bf16-mixed")
     fabric.launch()

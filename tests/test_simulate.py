@@ -155,6 +155,28 @@ def test_cli_names_what_it_cannot_simulate_instead_of_a_traceback(tmp_path, caps
     assert "returned a int, not an nn.Module" in capsys.readouterr().err
     assert main([*tiny, "--seq-len", "16", "--json", str(tmp_path / "missing" / "out.json")]) == 1
     assert "does not exist or is not writable" in capsys.readouterr().err
+    assert main([*tiny, "--seq-len", "16", "--json", str(tmp_path)]) == 1  # a folder
+    assert "is a folder or a file that cannot be written" in capsys.readouterr().err
     mlp = ["tests.test_simulate:_mlp_without_embedding", "--devices", "2", "--seq-len", "4", "--no-checkpoint"]
     assert main(mlp) == 1 and "pass --vocab-size" in capsys.readouterr().err
     assert main([*mlp, "--vocab-size", "4", "--precision", "32-true"]) == 0  # the flag the message names exists
+
+
+class _HostCollectiveInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+
+    def forward(self, x):
+        comm.all_reduce(torch.zeros(1), dist.group.WORLD)  # a host tensor over the accelerator's group
+        return self.embed(x)
+
+
+def test_a_device_error_in_the_first_forward_keeps_its_type():
+    # The first forward's errors are named with the input shape for the CLI; the device checks' own errors were
+    # relabelled as an input problem ("pass a --seq-len it accepts").
+    from lightning_shard.simulate.run import SimulationRequest, simulate_training
+
+    request = SimulationRequest(devices=2, seq_len=4, checkpoint=False, precision="32-true")
+    with pytest.raises(comm.DeviceDisciplineError, match="comm.all_reduce at .*test_simulate.py"):
+        simulate_training(_HostCollectiveInForward, request)

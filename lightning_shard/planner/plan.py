@@ -205,7 +205,7 @@ def plan(
     loss_fn: Callable | None = None,
     raise_if_none_fits: bool = True,
     activation_checkpointing: str | set | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
     loss_parallel: bool = False,
     hybrid_shard: bool = False,
     device: str | Device = "h100",
@@ -220,7 +220,9 @@ def plan(
     ``tensor_parallel_size``: ``"auto"`` (every divisor of ``world_size``) or the one TP size to consider (a
     user's fixed choice while other knobs are searched). ``hybrid_shard``: HSDP as the strategy builds it (see
     :func:`hsdp_replicas`). ``device``: ``"h100"``, ``"a100"``, ``"cpu"`` or a
-    :class:`~lightning_shard.planner.timing.Device`, for the time model.
+    :class:`~lightning_shard.planner.timing.Device`, for the time model. ``sequence_parallel``: True, False, or
+    ``"auto"`` (the strategy's default: per TP size, on where ``auto_tp_plan`` applies it,
+    :func:`sequence_parallel_applies`).
     Raises :class:`NoFitError` (a ``ValueError``) when nothing fits (unless ``raise_if_none_fits=False``),
     saying by how much and which knob helps most.
 
@@ -257,9 +259,10 @@ def plan(
             options.append(MeshOption(mesh, None, False, reason))
             continue
         replicas = hsdp_replicas(mesh[0], devices_per_node) if hybrid_shard else 1
+        sp = sequence_parallel if isinstance(sequence_parallel, bool) else sequence_parallel_applies(model, tp)
         for ac, reshard, offload in itertools.product(acs, reshards, offloads):
             est = estimate(model, mesh, tp_plan=tp_plan, activation_checkpointing=ac, reshard_after_forward=reshard,
-                           cpu_offload=offload, replicas=replicas, **common)  # fmt: skip
+                           cpu_offload=offload, replicas=replicas, **{**common, "sequence_parallel": sp})  # fmt: skip
             t = step_time(est, dev, devices_per_node, precision)
             options.append(MeshOption(mesh, est, est.device_total <= budget, time=t))
     fitting = [o for o in options if o.fits]
@@ -270,6 +273,25 @@ def plan(
         raise NoFitError(_no_fit_message(result, model, world_size, devices_per_node, memory, safety_margin, common,
                                          hybrid_shard, dev))  # fmt: skip
     return result
+
+
+def sequence_parallel_applies(model: nn.Module, tp: int) -> bool:
+    """Whether ``auto_tp_plan(model, tp, sequence_parallel="auto")`` turns sequence parallelism on: what the
+    strategy's default ``sequence_parallel="auto"`` gives at that TP size (off for Hugging Face models,
+    recurrences, position tables outside the blocks, and blocks the TP size does not split).
+
+    Example: ``sequence_parallel_applies(llama, 2)`` -> ``True``; ``plan(..., sequence_parallel="auto")`` asks it
+    per TP size.
+    """
+    if tp == 1:
+        return False
+    from lightning_shard.tp import auto_tp_plan
+
+    try:
+        _, summary = auto_tp_plan(model, tp, sequence_parallel="auto", return_summary=True)
+    except Exception:  # noqa: BLE001 - a model the plan cannot read: planned without (the larger footprint)
+        return False
+    return any(line.startswith("sequence_parallel: on") for line in summary)
 
 
 def _preference(option: MeshOption) -> tuple:
@@ -343,7 +365,7 @@ def _knobs(model, best: MeshOption, budget: int, common: dict, devices_per_node:
     e = best.estimate
     base = dict(common, tp_plan=tp_plan_for(model, best.mesh[1]), replicas=e.replicas,
                 activation_checkpointing=e.options.checkpointing, reshard_after_forward=e.reshard_after_forward,
-                cpu_offload=e.cpu_offload)  # fmt: skip
+                cpu_offload=e.cpu_offload, sequence_parallel=e.options.sequence_parallel)  # fmt: skip
     trials: list[tuple[str, dict]] = []
     if e.options.checkpointing != "full" and find_blocks(model):
         trials.append(("activation checkpointing of every block (activation_checkpointing='full')",
@@ -377,26 +399,33 @@ def _knobs(model, best: MeshOption, budget: int, common: dict, devices_per_node:
 
 def _tensor_parallel_knobs(model, valid: list[MeshOption], budget: int, common: dict) -> list[tuple[str, int, str]]:
     """Sequence and loss parallelism, where they are off: each (and both) on the tensor-parallel configuration
-    where it needs the least per device. They shrink the activations between blocks and the logits by the TP
-    size, often the largest saving of a long sequence or a large vocabulary."""
-    changes = []
-    if not common["sequence_parallel"]:
-        changes.append(("sequence parallelism (sequence_parallel=True)", {"sequence_parallel": True}))
-    if not common["loss_parallel"]:
-        changes.append(("loss parallelism (loss_parallel=True)", {"loss_parallel": True}))
-    if len(changes) == 2:
-        changes.append(("sequence and loss parallelism (sequence_parallel=True, loss_parallel=True)",
-                        {"sequence_parallel": True, "loss_parallel": True}))  # fmt: skip
-    tp_options = [o for o in valid if o.mesh[1] > 1]
+    where it needs the least per device; sequence parallelism only at TP sizes where ``auto_tp_plan`` would apply
+    it. They shrink the activations between blocks and the logits by the TP size, often the largest saving of a
+    long sequence or a large vocabulary."""
+    changes = [
+        ("sequence parallelism (sequence_parallel=True)", {"sequence_parallel": True}),
+        ("loss parallelism (loss_parallel=True)", {"loss_parallel": True}),
+        ("sequence and loss parallelism (sequence_parallel=True, loss_parallel=True)",
+         {"sequence_parallel": True, "loss_parallel": True}),
+    ]  # fmt: skip
+    # sequence parallelism only where auto_tp_plan would apply it (elsewhere True raises or trains wrong)
+    sp_ok = {o.mesh[1]: sequence_parallel_applies(model, o.mesh[1]) for o in valid if o.mesh[1] > 1}
     out = []
-    for name, change in changes if tp_options else []:
+    for name, change in changes:
         trials = []
-        for option in tp_options:
+        for option in valid:
             e = option.estimate
-            kwargs = dict(common, tp_plan=tp_plan_for(model, option.mesh[1]), replicas=e.replicas,
-                          activation_checkpointing=e.options.checkpointing, cpu_offload=e.cpu_offload,
-                          reshard_after_forward=e.reshard_after_forward, **change)  # fmt: skip
+            if option.mesh[1] == 1 or any(getattr(e.options, k) for k in change):
+                continue  # no TP, or already on
+            if change.get("sequence_parallel") and not sp_ok[option.mesh[1]]:
+                continue
+            kwargs = {**common, "tp_plan": tp_plan_for(model, option.mesh[1]), "replicas": e.replicas,
+                      "activation_checkpointing": e.options.checkpointing, "cpu_offload": e.cpu_offload,
+                      "reshard_after_forward": e.reshard_after_forward,
+                      "sequence_parallel": e.options.sequence_parallel, **change}  # fmt: skip
             trials.append((estimate(model, option.mesh, **kwargs).device_total, option.estimate.config))
+        if not trials:
+            continue
         after, config = min(trials)
         verdict = "fits" if after <= budget else f"still {format_bytes(after - budget)} over"
         out.append((f"{name} on {config}", after, verdict))

@@ -129,6 +129,8 @@ def _check_writable(path: str | None) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise ValueError(f"simulate: --json {path!r}: the folder {folder!r} does not exist or is not writable")
+    if os.path.isdir(path) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"simulate: --json {path!r} is a folder or a file that cannot be written; name a new file")
 
 
 def _load(spec: str):

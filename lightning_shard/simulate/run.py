@@ -205,9 +205,11 @@ def simulate_training(
 def _model_input_errors(request: SimulationRequest):
     """Name the input when the first forward fails (a model that limits the sequence length, a batch it cannot
     take): the CLI prints a ``ValueError``'s message, not a traceback from inside the model. The original error
-    is chained and its text kept."""
+    is chained and its text kept; the device checks' ``DeviceDisciplineError`` passes unchanged."""
     try:
         yield
+    except comm.DeviceDisciplineError:
+        raise  # the engine's own device checks name their call site: not an input problem
     except (RuntimeError, IndexError, TypeError) as e:
         raise ValueError(
             f"simulate: the first forward failed on token ids of shape ({request.batch}, {request.seq_len}): "

@@ -155,7 +155,23 @@ def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Te
 # where the engine means it (CPU-offloaded shards, a model built on the host being split). Those places say so
 # with ``host_collectives()``; any other is an accelerator path that fell back to the host unnoticed.
 _STRICT_HOST = [False]
-_HOST_INTENDED = [0]
+
+
+class _HostCollectives(contextlib.AbstractContextManager):
+    """The context of ``host_collectives()``: a nesting count, one shared object (it sits on DTensor's
+    redistribution path, so entering it allocates nothing)."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _HostCollectives.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        _HostCollectives.depth -= 1
+
+
+_HOST_COLLECTIVES = _HostCollectives()
+_NOTHING = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -175,8 +191,7 @@ def strict_host_collectives() -> Iterator[None]:
         _STRICT_HOST[0] = saved
 
 
-@contextlib.contextmanager
-def host_collectives() -> Iterator[None]:
+def host_collectives() -> contextlib.AbstractContextManager:
     """Mark the collectives of host tensors inside the block as intended (CPU offload, host-side setup).
 
     Example::
@@ -184,11 +199,7 @@ def host_collectives() -> Iterator[None]:
         with host_collectives():
             all_reduce(offloaded_norm, group)
     """
-    _HOST_INTENDED[0] += 1
-    try:
-        yield
-    finally:
-        _HOST_INTENDED[0] -= 1
+    return _HOST_COLLECTIVES
 
 
 def host_collectives_for(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -201,11 +212,11 @@ def host_collectives_for(tensor: torch.Tensor) -> contextlib.AbstractContextMana
             all_reduce(norm_term, group)
     """
     local = getattr(tensor, "_local_tensor", tensor)
-    return host_collectives() if local.device.type == "cpu" else contextlib.nullcontext()
+    return _HOST_COLLECTIVES if local.device.type == "cpu" else _NOTHING
 
 
 def _check_host_round_trip(what: str, served: frozenset[str], t: torch.Tensor) -> None:
-    if not _STRICT_HOST[0] or _HOST_INTENDED[0] or t.device.type != "cpu":
+    if not _STRICT_HOST[0] or _HostCollectives.depth or t.device.type != "cpu":
         return
     accelerators = sorted(served & set(accelerator_types()))
     if accelerators:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_shard import comm
 from lightning_shard.device import register_handle
 from lightning_shard.simulate.handle import STAND_IN_DEVICE, RecordingHandle, SimDeviceModule
 from lightning_shard.simulate.memory import MemoryTracker
@@ -82,8 +83,6 @@ def simulated_world(world_size: int, rank: int = 0, *, devices_per_node: int = 8
     handle = RecordingHandle(STAND_IN_DEVICE, device_count=min(devices_per_node, world_size))
     handle.set_device(rank % handle.device_count())
     handle.calls.clear()
-    from lightning_shard import comm
-
     with register_handle(handle), _device_module(handle), _guarded_collectives(), comm.strict_host_collectives():
         dist.init_process_group(handle.backend, store=FakeStore(), rank=rank, world_size=world_size)
         try:
@@ -133,8 +132,6 @@ _GUARDED = (
 
 @contextlib.contextmanager
 def _guarded_collectives() -> Iterator[None]:
-    from lightning_shard import comm
-
     originals = {name: getattr(dist, name) for name in _GUARDED if hasattr(dist, name)}
 
     def guard(name, fn):

@@ -214,6 +214,9 @@ def redistribute_local(
 
     Example: ``redistribute_local(x._local_tensor, x._spec, (Replicate(),))`` all-gathers a 1-D shard.
     """
+    target = tuple(target)
+    if tuple(spec.placements) == target:
+        return local
     with comm.host_collectives_for(local):
         return _redistribute_local(local, spec, target, compact=compact)
 
@@ -221,10 +224,7 @@ def redistribute_local(
 def _redistribute_local(
     local: torch.Tensor, spec: DTensorSpec, target: Sequence[Placement], *, compact: bool = True
 ) -> torch.Tensor:
-    """``redistribute_local``'s plan and collectives."""
-    target = tuple(target)
-    if tuple(spec.placements) == target:
-        return local
+    """``redistribute_local``'s plan and collectives, for ``target`` (a tuple) other than ``spec``'s."""
     if local.is_conj() or local.is_neg():
         local = local.resolve_conj().resolve_neg()  # collectives move raw memory, not the lazy conj/neg bits
     carrier = _CARRIERS.get(local.dtype)

@@ -35,8 +35,7 @@ __all__ = [
     "count_collectives",
     "all_gather_into",
     "reduce_scatter_into",
-    "reduce_scatter_scratch",
-    "reduces_in_place",
+    "PairwiseWork",
     "all_reduce",
     "all_reduce_flags",
     "all_to_all_single",
@@ -56,8 +55,14 @@ __all__ = [
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-# From this input size on, gloo's all-reduce beats its reduce-scatter (see reduce_scatter_scratch).
-_GLOO_ALL_REDUCE_MIN_BYTES = 4 << 20
+# On gloo, all-gathers and reduce-scatters of host tensors run as point-to-point sends between each pair of
+# ranks (``_pairwise_all_gather``, ``_pairwise_reduce_scatter``). Tests turn it off to run gloo's own collectives,
+# the path an NCCL group takes.
+_PAIRWISE_ON_GLOO = True
+# The p2p tag of each pairwise kind: in flight together on one group, an all-gather's messages and a
+# reduce-scatter's never match each other; within a kind, messages match in the order ranks issue them, as the
+# collectives they replace must be issued in the same order on every rank.
+_PAIRWISE_TAGS = {"all_gather": 1, "reduce_scatter": 2}
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -259,15 +264,22 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     """Gather equal-size ``input`` from every rank into ``output`` (concatenated on dim 0)."""
     check_devices("all_gather_into", group, output, input)
     _record("all_gather", input)
+    if _runs_pairwise(input, group):
+        return _finished_unless_async(_pairwise_all_gather(output, input, group), async_op)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", async_op: bool = False
 ):
-    """Reduce ``input`` (``group size`` equal chunks on dim 0) and keep this rank's chunk in ``output``."""
+    """Reduce ``input`` (``group size`` equal chunks on dim 0) and keep this rank's chunk in ``output``.
+
+    Example: ``work = reduce_scatter_into(chunk, staged.view(-1), group, async_op=True)``, then ``work.wait()``.
+    """
     check_devices("reduce_scatter_into", group, output, input)
     _record("reduce_scatter", input)
+    if _runs_pairwise(input, group):
+        return _finished_unless_async(_pairwise_reduce_scatter(output, input, group, op), async_op)
     if op == "avg" and not _supports_avg(group):
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
         output.div_(dist.get_world_size(group))
@@ -275,41 +287,132 @@ def reduce_scatter_into(
     return _reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=group, async_op=async_op)
 
 
-def reduce_scatter_scratch(
-    input: torch.Tensor, group: dist.ProcessGroup, output: torch.Tensor | None = None, async_op: bool = False
-) -> tuple[object | None, torch.Tensor]:
-    """Sum-reduce-scatter ``input`` (``group size`` equal chunks on dim 0), which the caller gives up: it may be
-    overwritten. Returns ``(work, chunk)``; ``chunk`` holds this rank's reduced chunk once ``work`` is done.
+def _runs_pairwise(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether a gather or reduce-scatter of ``tensor`` over ``group`` runs as pairwise sends: a host tensor on
+    a group whose CPU backend is gloo. An accelerator tensor on a ``"cpu:gloo,cuda:nccl"`` group goes to NCCL's
+    own collective.
 
-    On gloo, from 4 MiB of input, ``input`` is all-reduced in place and ``chunk`` is this rank's view of it
-    (``output`` is unused): there gloo's all-reduce took 0.43x-0.91x the time of its reduce-scatter on the
-    same input, although it moves twice the bytes (``benchmarks/gloo_reduce_scatter.py``, docs/benchmarks.md;
-    below 4 MB the two are level within noise). Otherwise it is a reduce-scatter into ``output`` (a new
-    buffer if None). Counted as one reduce-scatter either way.
-
-    Example::
-
-        work, chunk = reduce_scatter_scratch(staged, group, async_op=True)
-        work.wait()  # chunk now holds the sum over ranks of this rank's chunk of ``staged``
+    >>> _runs_pairwise(torch.ones(4), dist.group.WORLD)  # a gloo world
+    True
     """
-    check_devices("reduce_scatter_scratch", group, input, *([] if output is None else [output]))
-    if reduces_in_place(input.numel() * input.element_size(), group):
-        _record("reduce_scatter", input)
-        work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return work, input.view(dist.get_world_size(group), -1)[dist.get_group_rank(group, dist.get_rank())]
-    if output is None:
-        output = input.new_empty(input.numel() // dist.get_world_size(group))
-    return reduce_scatter_into(output, input, group, "sum", async_op=async_op), output
+    return _PAIRWISE_ON_GLOO and tensor.device.type == "cpu" and _backend_of(group, "cpu") == "gloo"
 
 
-def reduces_in_place(nbytes: int, group: dist.ProcessGroup) -> bool:
-    """Whether ``reduce_scatter_scratch`` of an ``nbytes`` input over ``group`` leaves the result in the input
-    (an all-reduce in place; its ``output`` is then unused).
+_BACKENDS: dict[int, tuple[dist.ProcessGroup, dict[str, str]]] = {}
 
-    >>> reduces_in_place(4 << 20, dist.group.WORLD), reduces_in_place(1 << 20, dist.group.WORLD)  # a gloo world
-    (True, False)
+
+def _backend_of(group: dist.ProcessGroup, device_type: str) -> str | None:
+    """The backend ``group`` uses for ``device_type`` tensors, from its config (``"cpu:gloo,cuda:nccl"``)."""
+    hit = _BACKENDS.get(id(group))
+    if hit is None or hit[0] is not group:
+        config = str(dist.get_backend_config(group))
+        by_device = {}
+        for entry in config.split(","):
+            device, _, backend = entry.strip().rpartition(":")
+            for d in [device] if device else _DEVICES_OF_BACKEND.get(backend, ()):
+                by_device[d] = backend
+        hit = _BACKENDS[id(group)] = (group, by_device)
+    return hit[1].get(device_type)
+
+
+class PairwiseWork:
+    """The sends and receives of one pairwise collective, waited for as one; then ``finish`` (a reduce-scatter's
+    local reduction) runs once. Stands where torch's ``Work`` would (``wait()``, ``is_completed()``).
+
+    Example: ``work = reduce_scatter_into(out, inp, gloo_group, async_op=True)``; ``work.wait()``.
     """
-    return nbytes >= _GLOO_ALL_REDUCE_MIN_BYTES and "gloo" in str(dist.get_backend(group))
+
+    def __init__(self, works: list, finish=None) -> None:
+        self.works = works
+        self.finish = finish
+
+    def wait(self, timeout=None) -> bool:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self.works and self.finish is None
+
+
+def _finished_unless_async(work: PairwiseWork, async_op: bool) -> PairwiseWork | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:
+    """``(size, group rank, [(send to, receive from) per round])``: in round k a rank sends to the rank k after
+    it and receives from the rank k before it, so every pair exchanges once and no two sends meet one receive."""
+    size, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    return size, rank, [((rank + k) % size, (rank - k) % size) for k in range(1, size)]
+
+
+def _pairwise_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> PairwiseWork:
+    """Gather as point-to-point sends: this rank's ``input`` to every other rank, theirs into ``output``'s chunks.
+
+    Gloo's own all-gather moves the same bytes through its worker thread with copies: on 2 gloo ranks this took
+    0.46x-0.78x its time at 1-32 MiB, on 4 ranks 0.56x-0.90x (``benchmarks/gloo_reduce_scatter.py``).
+    """
+    size, rank, rounds = _peers(group)
+    chunks = output.view(size, *input.shape)
+    if chunks[rank].data_ptr() != input.data_ptr():
+        chunks[rank].copy_(input)
+    tag, works = _PAIRWISE_TAGS["all_gather"], []
+    if input.numel():
+        for dst, src in rounds:
+            works.append(dist.isend(input, group=group, group_dst=dst, tag=tag))
+            works.append(dist.irecv(chunks[src], group=group, group_src=src, tag=tag))
+    return PairwiseWork(works)
+
+
+_PAIRWISE_REDUCE = {
+    "sum": torch.Tensor.add_,
+    "avg": torch.Tensor.add_,
+    "max": torch.Tensor.maximum,
+    "min": torch.Tensor.minimum,
+}
+
+
+def _pairwise_reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: str
+) -> PairwiseWork:
+    """Reduce-scatter as point-to-point sends: each other rank's chunk of ``input`` to it, their chunks of this
+    rank's part into ``output`` (the first) and a scratch buffer (the others), reduced locally once all arrived.
+
+    Each rank sends and receives (size - 1) / size of the input, as a ring reduce-scatter does and half of what an
+    all-reduce moves: on 2 gloo ranks this took 0.55x-0.86x the time of gloo's all-reduce and 0.40x-0.70x its
+    reduce-scatter on fp32 inputs of 1-32 MiB (``benchmarks/gloo_reduce_scatter.py``). On 2 ranks the sum is the
+    one the collectives give, bit for bit (a + b = b + a).
+    """
+    size, rank, rounds = _peers(group)
+    chunks, out = input.view(size, -1), output.view(-1)
+    received = [out] + list(out.new_empty((size - 2, out.numel())) if size > 2 else [])
+    tag, works = _PAIRWISE_TAGS["reduce_scatter"], []
+    if input.numel():
+        for (dst, src), into in zip(rounds, received):
+            works.append(dist.isend(chunks[dst], group=group, group_dst=dst, tag=tag))
+            works.append(dist.irecv(into, group=group, group_src=src, tag=tag))
+
+    def reduce_locally() -> None:
+        if size == 1:
+            out.copy_(chunks[rank])
+            return
+        combine = _PAIRWISE_REDUCE[op]
+        result = combine(out, chunks[rank])
+        for other in received[1:]:
+            result = combine(result, other)
+        if result is not out:
+            out.copy_(result)
+        if op == "avg":
+            out.div_(size)
+
+    return PairwiseWork(works, reduce_locally)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", async_op: bool = False):

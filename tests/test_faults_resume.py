@@ -134,6 +134,7 @@ def test_lightning_fsdp_sharded_two_to_one(checkpoints):
     run_distributed(_resume_adamw, 1, checkpoints("fsdp"))
 
 
+@pytest.mark.slow  # Lightning's FSDP sharded checkpoint resumes by default in test_checkpoint_interop_fsdp_sharded.py
 def test_lightning_fsdp_sharded_two_to_four(checkpoints):
     run_distributed(_resume_adamw, 4, checkpoints("fsdp"))
 

@@ -132,35 +132,34 @@ def test_gradients_freed_by_zero_grad_and_accumulated_without_it():
 
 
 @contextlib.contextmanager
-def _reduce_scatter_as_all_reduce():
-    """From 4 MiB of gradients a group's reduce-scatter runs as an in-place all-reduce on gloo (faster there,
-    comm.reduce_scatter_scratch); test models are smaller, so lower the threshold to take that path. Yields
-    the sizes of the all-reduces issued."""
-    original_threshold, original_all_reduce = comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce
+def _gloo_collectives():
+    """On gloo, FSDP's all-gathers and reduce-scatters run as pairwise sends (``comm._runs_pairwise``), which
+    every other test here takes; this runs gloo's own collectives instead, the calls an NCCL group gets. Yields
+    the input sizes of the reduce-scatters issued (a pairwise path taken by mistake leaves it empty)."""
+    original_pairwise, original_reduce_scatter = comm._PAIRWISE_ON_GLOO, comm._reduce_scatter_single
     calls = []
 
-    def counting_all_reduce(*args, **kwargs):
-        if args[0].is_floating_point():  # not the flags of which parameters got a gradient (GradientPresence)
-            calls.append(args[0].numel())
-        return original_all_reduce(*args, **kwargs)
+    def counting_reduce_scatter(output, input, *args, **kwargs):
+        calls.append(input.numel())
+        return original_reduce_scatter(output, input, *args, **kwargs)
 
-    comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = 0, counting_all_reduce
+    comm._PAIRWISE_ON_GLOO, comm._reduce_scatter_single = False, counting_reduce_scatter
     try:
         yield calls
     finally:
-        comm._GLOO_ALL_REDUCE_MIN_BYTES, dist.all_reduce = original_threshold, original_all_reduce
+        comm._PAIRWISE_ON_GLOO, comm._reduce_scatter_single = original_pairwise, original_reduce_scatter
 
 
 @distributed(world_size=2)
-def test_gradient_reduction_as_gloo_all_reduce_freed_and_accumulated():
-    with _reduce_scatter_as_all_reduce() as calls:
+def test_gradient_reduction_by_gloo_collectives_freed_and_accumulated():
+    with _gloo_collectives() as calls:
         _check_gradients_freed_and_accumulated()
     assert len(calls) == 5 * (len(make_model().blocks) + 1)  # 5 backward passes, one per group each
 
 
 @distributed(world_size=2)
-def test_gradient_reduction_as_gloo_all_reduce_parity_mixed_precision_offload():
-    with _reduce_scatter_as_all_reduce() as calls:
+def test_gloo_collectives_parity_mixed_precision_offload():
+    with _gloo_collectives() as calls:
         test_parity_with_single_process_and_torch_fsdp2.__wrapped__()
         test_bf16_mixed_precision_close_to_fp32.__wrapped__()
         test_cpu_offload_parity.__wrapped__()
@@ -169,12 +168,11 @@ def test_gradient_reduction_as_gloo_all_reduce_parity_mixed_precision_offload():
 
 
 @distributed(world_size=4)
-def test_gradient_reduction_as_gloo_all_reduce_hsdp_and_four_ranks():
-    with _reduce_scatter_as_all_reduce() as calls:
+def test_gloo_collectives_hsdp_and_four_ranks():
+    with _gloo_collectives() as calls:
         test_hsdp_two_by_two_parity.__wrapped__()
-    # per step and group: the shard-group reduction (as an all-reduce) and the all-reduce across replicas
-    assert len(calls) == 2 * 3 * (len(make_model().blocks) + 1)
-    with _reduce_scatter_as_all_reduce() as calls:
+    assert len(calls) == 3 * (len(make_model().blocks) + 1)  # per step and group: one shard-group reduce-scatter
+    with _gloo_collectives() as calls:
         test_four_ranks_uneven_parity.__wrapped__()
     assert calls
 

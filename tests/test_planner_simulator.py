@@ -67,7 +67,7 @@ def test_phase_peaks_match_the_simulator(devices, tp, precision, offload):
     assert est.device_total == pytest.approx(sim["peak_device_bytes"], rel=0.05)
 
 
-@pytest.mark.parametrize("ac", ["full", "selective-op"])
+@pytest.mark.parametrize("ac", [pytest.param("full", marks=pytest.mark.slow), "selective-op"])
 def test_checkpointed_peaks_match_the_simulator(ac):
     # benchmarks/planner_vs_simulator.py's Llama (4 blocks of width 256, 2 x 256 tokens), flash accounting on both
     # sides, as its table. selective-op: the planner's recomputation rebuilt the matmul outputs the policy keeps

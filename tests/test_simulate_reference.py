@@ -159,7 +159,9 @@ def test_reference_torch_runs_cpu_offload(tmp_path):
     assert torch_report["device_bytes_after_setup"] == report["device_bytes_after_setup"]  # the buffers alone
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+@pytest.mark.parametrize(
+    "sequence_parallel", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tp2", "tp2_sp"]
+)
 def test_reference_with_tensor_parallelism_runs_torchtitans_plan(sequence_parallel):
     from lightning_shard.simulate.reference import TORCH_ENGINE
 

@@ -24,7 +24,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("world_size", [2, 8], ids=["tp2", "dp4xtp2"])
+@pytest.mark.parametrize("world_size", [2, pytest.param(8, marks=pytest.mark.slow)], ids=["tp2", "dp4xtp2"])
 def test_setup_peak_with_tensor_parallelism_is_the_sharded_model_plus_one_unit(world_size):
     """With TP > 1 the strategy moved a model built in ``__init__`` to the device whole before sharding it."""
     with simulated_world(world_size, rank=1) as world:

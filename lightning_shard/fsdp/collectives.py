@@ -2,12 +2,12 @@
 
 All-gather: this rank's flat shard -> (copy-in with cast, skipped when no cast is needed: the shard buffer
 itself is the input) -> one all-gather -> (copy-out) -> the unsharded flat buffer.
-Reduce-scatter: the unsharded gradients -> (copy-in: pad, pre-divide, cast) -> one reduce-scatter (on gloo
-from 4 MiB an in-place all-reduce of the staging buffer, faster there) [-> all-reduce across replicas for HSDP] ->
-(post-reduce: divide, upcast, accumulate) -> the sharded gradient buffer.
+Reduce-scatter: the unsharded gradients -> (copy-in: pad, pre-divide, cast) -> one reduce-scatter [-> all-reduce
+across replicas for HSDP] -> (post-reduce: divide, upcast, accumulate) -> the sharded gradient buffer.
 
 Collectives are issued with ``async_op=True``; the returned handle's ``wait()`` finishes the step. On CUDA,
-NCCL runs them on its own stream, so compute overlaps with communication until ``wait()``.
+NCCL runs them on its own stream, so compute overlaps with communication until ``wait()``; on gloo they are
+pairwise sends that gloo's transport thread carries meanwhile (``comm._pairwise_all_gather``).
 
 Example::
 
@@ -89,15 +89,14 @@ def start_reduce_scatter(
 ) -> CollectiveHandle:
     """Stage the unsharded gradients (pad, pre-divide, cast in one kernel) and issue the reduce-scatter.
 
-    ``output``: where the reduced shard goes (e.g. the sharded gradient buffer itself; default a new buffer)
-    when the backend reduce-scatters; on gloo from 4 MiB it stays in the staging buffer (``handle.output``
-    says where either way).
+    ``output``: where the reduced shard goes (e.g. the sharded gradient buffer itself; default a new buffer).
     """
     staged = buffers.empty((layout.world_size, layout.shard_numel), reduce_dtype, device)
     reduce_scatter_copy_in(layout, grads, staged, predivide=predivide, impl=_impl(staged))
-    # On gloo the reduced shard is left in (a view of) the staging buffer: see comm.reduce_scatter_scratch.
-    work, reduced = comm.reduce_scatter_scratch(staged.view(-1), group, output, async_op=True)
-    return CollectiveHandle(work, reduced, staged)
+    if output is None:
+        output = buffers.empty(layout.shard_numel, reduce_dtype, device)
+    work = comm.reduce_scatter_into(output, staged.view(-1), group, async_op=True)
+    return CollectiveHandle(work, output, staged)
 
 
 def reduce_stream(device_handle: DeviceHandle) -> object | None:

@@ -90,43 +90,38 @@ class MeshInfo:
 
 @dataclass(frozen=True)
 class GradientBufferChoice:
-    """Which buffer a group's reduce writes its gradients into, from four conditions.
+    """Which buffer a group's reduce writes its gradients into, from three conditions.
 
-    ================  ===========  ==============  ==================  =============================================
-    reduce dtype !=   CPU offload  a ``.grad``     reduced in place    the reduced gradients go
-    param dtype                    already exists  (gloo, >= 4 MiB)
-    ================  ===========  ==============  ==================  =============================================
-    no                no           no              no                  **direct**: the reduce-scatter's output is a
-                                                                       new gradient buffer; only the post-divide is
-                                                                       left, in place
-    yes               any          no              any                 a new gradient buffer, filled (cast) by the
-                                                                       post-reduce from the reduce output
-    any               yes          no              any                 a new pinned host buffer, copied from the
-                                                                       device (``collectives.finish_reduce_scatter``)
-    no                no           no              yes                 a new buffer, filled from the staging buffer
-                                                                       at finish (not alive beside the unsharded
-                                                                       gradients)
-    any               any          yes             any                 the current buffer if a ``.grad`` still views
-                                                                       it, else a new one holding the ``.grad``
-                                                                       values; the post-reduce accumulates
-    ================  ===========  ==============  ==================  =============================================
+    ================  ===========  ==============  =============================================
+    reduce dtype !=   CPU offload  a ``.grad``     the reduced gradients go
+    param dtype                    already exists
+    ================  ===========  ==============  =============================================
+    no                no           no              **direct**: the reduce-scatter's output is a
+                                                   new gradient buffer; only the post-divide is
+                                                   left, in place
+    yes               any          no              a new gradient buffer, filled (cast) by the
+                                                   post-reduce from the reduce output
+    any               yes          no              a new pinned host buffer, copied from the
+                                                   device (``collectives.finish_reduce_scatter``)
+    any               any          yes             the current buffer if a ``.grad`` still views
+                                                   it, else a new one holding the ``.grad``
+                                                   values; the post-reduce accumulates
+    ================  ===========  ==============  =============================================
 
     Direct saves a shard-sized temporary at the end of each group's backward, where the step's memory peaks
     (torch's FSDP2 likewise keeps its reduce-scatter output as the gradient). The non-direct rows are decided
     at ``finish_reduce`` (``FSDPParamGroup._gradient_target``).
 
-    Example: ``GradientBufferChoice(casts=False, offloads=False, has_grads=False, reduces_in_place=False).direct``
-    is True.
+    Example: ``GradientBufferChoice(casts=False, offloads=False, has_grads=False).direct`` is True.
     """
 
     casts: bool
     offloads: bool
     has_grads: bool
-    reduces_in_place: bool
 
     @property
     def direct(self) -> bool:
-        return not (self.casts or self.offloads or self.has_grads or self.reduces_in_place)
+        return not (self.casts or self.offloads or self.has_grads)
 
 
 class GradientPresence:
@@ -570,13 +565,11 @@ class FSDPParamGroup:
 
     def _direct_reduce_output(self) -> torch.Tensor | None:
         """A new sharded gradient buffer when ``GradientBufferChoice`` says the reduce-scatter writes into it."""
-        staged_bytes = self.layout.world_size * self.layout.shard_numel * self.reduce_dtype.itemsize
         choice = GradientBufferChoice(
             casts=self.reduce_dtype != self.orig_dtype,
             offloads=self.shard_device != self.device,
             # register_hook hooks get this backward's gradient alone: reduced apart from .grad (finish_reduce)
             has_grads=any(fp.sharded.grad is not None for fp in self.params) or bool(self._tensor_hooked()),
-            reduces_in_place=comm.reduces_in_place(staged_bytes, self.mesh_info.shard_group),
         )
         return self._new_grad_flat() if choice.direct else None
 

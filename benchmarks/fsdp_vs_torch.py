@@ -7,6 +7,9 @@ the growth of the process's peak RSS from just before the model is built; on CUD
 
     python benchmarks/fsdp_vs_torch.py --world-size 2 --steps 8 --json results.json
 
+``--variants local`` adds the floor of the comparison: each rank trains its own whole replica with no
+communication (the same compute on the same two cores, with the optimizer stepping every parameter).
+
 ``--json`` writes ``{"ours": {...}, "torch_fsdp2": {...}, "ddp": {...}}`` with ``step_s``, ``step_cpu_s`` (the
 rank's CPU time per step, all its threads: compute, gloo's, numba's; median), ``peak_mb`` and
 ``comm_bytes`` each (comm bytes per rank and step: the tensors handed to the collectives, i.e. all-gather
@@ -221,10 +224,23 @@ def _setup(variant: str, model: nn.Module, world: int, device: torch.device):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, _TorchCounter
+    if variant == "local":  # no communication at all: each rank trains its own whole replica
+        return model, _NoCounter
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     counter = _DDPCounter()
     ddp.register_comm_hook(counter, _DDPCounter.hook)
     return ddp, counter.context
+
+
+class _NoCounter:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def total(self) -> int:
+        return 0
 
 
 class _DDPCounter:
@@ -296,7 +312,7 @@ def main() -> None:
     args = p.parse_args()
     results = run(args)
     if "ours" in results:
-        for other in ("torch_fsdp2", "ddp"):
+        for other in ("torch_fsdp2", "ddp", "local"):
             if other in results:
                 keys = ("step_s", "peak_mb", "model_peak_mb")
                 r = {k: results["ours"][k] / results[other][k] for k in keys if results[other][k]}

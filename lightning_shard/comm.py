@@ -357,7 +357,7 @@ def _pairwise_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.
     """Gather as point-to-point sends: this rank's ``input`` to every other rank, theirs into ``output``'s chunks.
 
     Gloo's own all-gather moves the same bytes through its worker thread with copies: on 2 gloo ranks this took
-    0.46x-0.78x its time at 1-32 MiB, on 4 ranks 0.56x-0.90x (``benchmarks/gloo_reduce_scatter.py``).
+    0.44x-0.90x its time for fp32 outputs of 1-32 MB (``benchmarks/gloo_collectives.py``, docs/benchmarks.md).
     """
     size, rank, rounds = _peers(group)
     chunks = output.view(size, *input.shape)
@@ -386,9 +386,9 @@ def _pairwise_reduce_scatter(
     rank's part into ``output`` (the first) and a scratch buffer (the others), reduced locally once all arrived.
 
     Each rank sends and receives (size - 1) / size of the input, as a ring reduce-scatter does and half of what an
-    all-reduce moves: on 2 gloo ranks this took 0.55x-0.86x the time of gloo's all-reduce and 0.40x-0.70x its
-    reduce-scatter on fp32 inputs of 1-32 MiB (``benchmarks/gloo_reduce_scatter.py``). On 2 ranks the sum is the
-    one the collectives give, bit for bit (a + b = b + a).
+    all-reduce moves: on 2 gloo ranks this took 0.32x-0.51x the time of gloo's reduce-scatter and 0.44x-0.78x its
+    all-reduce on fp32 inputs of 1-32 MB (``benchmarks/gloo_collectives.py``). On 2 ranks the sum is the one the
+    collectives give, bit for bit (a + b = b + a).
     """
     size, rank, rounds = _peers(group)
     chunks, out = input.view(size, -1), output.view(-1)

@@ -99,6 +99,8 @@ def test_finetune_classifier_runs_and_consolidates(tmp_path):
         assert 0.0 <= out["acc_consolidated"] <= 1.0
 
 
+# the classifier example (the README's main job) runs by default; FSDP x TP checkpoints reshard in test_checkpoint_tp.py
+@pytest.mark.slow
 @distributed(world_size=4)
 def test_finetune_llm_fsdp_x_tp_saves_and_resumes(tmp_path):
     import finetune_llm

@@ -153,6 +153,7 @@ def _reference_trainer(seen: list[list[int]]) -> tuple[dict[str, torch.Tensor], 
     return {n: p.detach() for n, p in model.named_parameters()}, opt.param_groups[0]["lr"]
 
 
+@pytest.mark.slow  # a TP checkpoint resumed under FSDP runs by default below (Fabric, tied weights)
 @distributed(world_size=2)
 def test_trainer_tp_checkpoint_resumes_under_fsdp_with_adamw_and_steplr(tmp_path):
     ckpt = _shared_path(tmp_path, "tp.ckpt")

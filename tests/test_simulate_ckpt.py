@@ -51,7 +51,9 @@ def _bytes(tensors) -> int:
 
 # dp 8 rank 0 and 4 x 2 rank 3 by default; 4 x 2 rank 0 in the slow run
 @pytest.mark.parametrize(
-    ("tp", "rank"), [(1, 0), pytest.param(2, 0, marks=pytest.mark.slow), (2, 3)], ids=["dp8-r0", "4x2-r0", "4x2-r3"]
+    ("tp", "rank"),
+    [(1, 0), pytest.param(2, 0, marks=pytest.mark.slow), pytest.param(2, 3, marks=pytest.mark.slow)],
+    ids=["dp8-r0", "4x2-r0", "4x2-r3"],
 )
 def test_sharded_and_full_save_and_load_report_their_phases(tp, rank):
     reference = _meta_model()

@@ -327,9 +327,9 @@ class PairwiseWork:
         self.finish = finish
 
     def wait(self, timeout=None) -> bool:
-        works, self.works = self.works, []
-        for work in works:
-            work.wait()
+        while self.works:  # one at a time: after a failed wait (a peer gone) a second wait raises again
+            self.works[0].wait()
+            self.works.pop(0)
         finish, self.finish = self.finish, None
         if finish is not None:
             finish()

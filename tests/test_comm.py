@@ -95,3 +95,18 @@ def test_only_host_tensors_on_a_gloo_backend_run_pairwise(monkeypatch, config, d
     group = object()
     monkeypatch.setattr(dist, "get_backend_config", lambda g: config if g is group else "gloo")
     assert comm._runs_pairwise(torch.empty(4, device=device), group) is pairwise
+
+
+def test_a_pairwise_wait_that_failed_fails_again_and_never_reduces():
+    # A receive from a peer that is gone raises; waiting once more must not report the collective finished (nor
+    # run the local reduction on a half-received buffer).
+    class Gone:
+        def wait(self):
+            raise RuntimeError("peer gone")
+
+    reduced = []
+    work = comm.PairwiseWork([Gone()], finish=lambda: reduced.append(True))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="peer gone"):
+            work.wait()
+    assert not reduced and not work.is_completed()

@@ -21,7 +21,7 @@ def _check_pairwise_equals_gloo(group, exact_sum: bool) -> None:
     size = dist.get_world_size(group)
     assert comm._runs_pairwise(torch.ones(1), group)
     for dtype in (torch.float32, torch.bfloat16):
-        for chunk_numel in (1, 1001, (1 << 18) + 3):
+        for chunk_numel in (1, 1001, (1 << 16) + 3):
             x = torch.randn(size, chunk_numel, generator=g).to(dtype).view(-1)
             for op in ("sum", "avg", "max", "min"):
                 expected = _gloo_reduce_scatter(x, op, group)

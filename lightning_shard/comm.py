@@ -109,7 +109,21 @@ def _record(kind: str, tensor: torch.Tensor) -> None:
 
 # backend name -> the device types it serves, for backend strings without a "device:backend" map
 _DEVICES_OF_BACKEND = {"nccl": ("cuda",), "gloo": ("cpu",)}
-_SERVED: dict[int, tuple[dist.ProcessGroup, frozenset[str]]] = {}
+# id(group) -> (group, {device type: backend}), parsed once per group from its backend config
+_SERVED: dict[int, tuple[dist.ProcessGroup, dict[str, str]]] = {}
+
+
+def _backends_by_device(group: dist.ProcessGroup) -> dict[str, str]:
+    """The backend ``group`` uses for each device type it serves, from its config (``"cpu:gloo,cuda:nccl"``)."""
+    hit = _SERVED.get(id(group))
+    if hit is None or hit[0] is not group:
+        by_device = {}
+        for entry in str(dist.get_backend_config(group)).split(","):
+            device, _, backend = entry.strip().rpartition(":")
+            for d in [device] if device else _DEVICES_OF_BACKEND.get(backend, ()):
+                by_device[d] = backend
+        hit = _SERVED[id(group)] = (group, by_device)
+    return hit[1]
 
 
 def served_device_types(group: dist.ProcessGroup | None = None) -> frozenset[str]:
@@ -120,18 +134,7 @@ def served_device_types(group: dist.ProcessGroup | None = None) -> frozenset[str
     >>> served_device_types(nccl_group), served_device_types(cpu_gloo_cuda_nccl_group)  # needs CUDA  # doctest: +SKIP
     (frozenset({'cuda'}), frozenset({'cpu', 'cuda'}))
     """
-    group = group if group is not None else dist.group.WORLD
-    hit = _SERVED.get(id(group))
-    if hit is not None and hit[0] is group:
-        return hit[1]
-    config = str(dist.get_backend_config(group))
-    types: set[str] = set()
-    for entry in config.split(","):
-        device, _, backend = entry.strip().rpartition(":")
-        types.update([device] if device else _DEVICES_OF_BACKEND.get(backend, ()))
-    served = frozenset(types)
-    _SERVED[id(group)] = (group, served)
-    return served
+    return frozenset(_backends_by_device(group if group is not None else dist.group.WORLD))
 
 
 def check_devices(what: str, group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> None:
@@ -295,24 +298,7 @@ def _runs_pairwise(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     >>> _runs_pairwise(torch.ones(4), dist.group.WORLD)  # a gloo world
     True
     """
-    return _PAIRWISE_ON_GLOO and tensor.device.type == "cpu" and _backend_of(group, "cpu") == "gloo"
-
-
-_BACKENDS: dict[int, tuple[dist.ProcessGroup, dict[str, str]]] = {}
-
-
-def _backend_of(group: dist.ProcessGroup, device_type: str) -> str | None:
-    """The backend ``group`` uses for ``device_type`` tensors, from its config (``"cpu:gloo,cuda:nccl"``)."""
-    hit = _BACKENDS.get(id(group))
-    if hit is None or hit[0] is not group:
-        config = str(dist.get_backend_config(group))
-        by_device = {}
-        for entry in config.split(","):
-            device, _, backend = entry.strip().rpartition(":")
-            for d in [device] if device else _DEVICES_OF_BACKEND.get(backend, ()):
-                by_device[d] = backend
-        hit = _BACKENDS[id(group)] = (group, by_device)
-    return hit[1].get(device_type)
+    return _PAIRWISE_ON_GLOO and tensor.device.type == "cpu" and _backends_by_device(group).get("cpu") == "gloo"
 
 
 class PairwiseWork:

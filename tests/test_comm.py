@@ -94,7 +94,10 @@ def test_only_host_tensors_on_a_gloo_backend_run_pairwise(monkeypatch, config, d
     # twice the bytes of a reduce-scatter.) "meta" stands for the accelerator: anything but the host.
     group = object()
     monkeypatch.setattr(dist, "get_backend_config", lambda g: config if g is group else "gloo")
-    assert comm._runs_pairwise(torch.empty(4, device=device), group) is pairwise
+    try:
+        assert comm._runs_pairwise(torch.empty(4, device=device), group) is pairwise
+    finally:
+        comm._SERVED.pop(id(group), None)
 
 
 def test_a_pairwise_wait_that_failed_fails_again_and_never_reduces():

@@ -2,7 +2,7 @@
 spent waiting on all-gathers (forward / backward) and reduce-scatters, in the staging kernels, and populating
 fresh buffer pages. Same GPT and wrapping as ``benchmarks/fsdp_vs_torch.py``; rank 0's median per step.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/fsdp_phases.py ours          # or torch_fsdp2, ddp
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/fsdp_phases.py ours          # or torch_fsdp2, ddp, local
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/fsdp_phases.py ours --steps 6
 
 The timers wrap our functions (``CollectiveHandle.wait``, the kernels, ``buffers.populate_pages``) with
@@ -64,7 +64,7 @@ def _instrument_ours() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("variant", choices=["ours", "torch_fsdp2", "ddp"])
+    p.add_argument("variant", choices=["ours", "torch_fsdp2", "ddp", "local"])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()

@@ -139,13 +139,16 @@ def first_train_batch(module: nn.Module):
     (the loader's own, torch's, Python's and NumPy's: a dataset may use them), so the planner's look does not
     change the run it plans.
 
+    Several train dataloaders (a list, tuple or dict of them, or a ``CombinedLoader``) give the batch Lightning
+    hands ``training_step``: the same structure holding each loader's first batch.
+
     Example: ``first_train_batch(lightning_module)`` -> ``(x, y)``.
     """
     trainer = getattr(module, "_trainer", None)
     owners = []
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     given = getattr(source, "instance", None)
-    if isinstance(given, torch.utils.data.DataLoader):  # trainer.fit(model, train_dataloaders=loader)
+    if given is not None and not hasattr(given, "train_dataloader"):  # trainer.fit(model, train_dataloaders=...)
         owners.append(lambda: given)
     for owner in (getattr(trainer, "datamodule", None), module):
         make = getattr(owner, "train_dataloader", None) if owner is not None else None
@@ -154,10 +157,23 @@ def first_train_batch(module: nn.Module):
     for make in owners:
         try:
             with _random_states_kept():
-                return next(iter(_in_order(make())))
+                return _first_batch(make())
         except Exception:  # noqa: BLE001 - no data yet (or not defined): the planner falls back to its default
             continue
     return None
+
+
+def _first_batch(data):
+    """The first batch ``data`` gives ``training_step``, built as Lightning's training loop builds it: through a
+    ``CombinedLoader`` (what ``fit`` wraps any train data in), so a list, tuple or dict of loaders gives the same
+    structure of each loader's first batch. A new one over loaders taken in order (``_in_order``): the user's
+    own stays untouched. Every mode ``fit`` accepts starts with every loader's first batch."""
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    combined = CombinedLoader(data.iterables if isinstance(data, CombinedLoader) else data, "max_size_cycle")
+    combined.flattened = [_in_order(loader) for loader in combined.flattened]
+    batch, _, _ = next(iter(combined))
+    return batch
 
 
 def _in_order(data):

@@ -167,7 +167,7 @@ class _PlainLightningModule(nn.Module):
 
     def train_dataloader(self):
         x = torch.randint(0, 101, (3, 10))
-        return [(x, x)]
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=3)
 
 
 def test_strategy_runs_training_step_on_a_batch_of_the_train_dataloader():
@@ -202,7 +202,7 @@ def test_strategy_auto_passes_its_checkpointing_and_hybrid_sharding_to_the_plann
 
         def train_dataloader(self):
             x = torch.randint(0, 101, (3, 10))
-            return [(x, x)]
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=3)
 
     strategy = strategies.ShardFSDPTPStrategy(
         tensor_parallel_size="auto", activation_checkpointing_policy={LlamaBlock}, sharding_strategy="HYBRID_SHARD",
@@ -292,6 +292,44 @@ def test_the_planner_reads_the_dataloaders_passed_to_fit():
     assert (b, t) == (2, 10) and step is not None
     est = estimate(plain, (1, 1), batch=b, seq_len=t, example_input=example_input, step=step)
     assert est.activations == estimate(_meta(Llama), (1, 1), batch=2, seq_len=10).activations
+
+
+class _TwoSources(_PlainLightningModule):
+    """A LightningModule trained on two dataloaders at once (``fit(train_dataloaders={"text": ..., "code": ...})``)."""
+
+    def training_step(self, batch, batch_idx):
+        return sum(super(_TwoSources, self).training_step(batch[key], batch_idx) for key in ("text", "code"))
+
+
+def test_the_planner_reads_several_dataloaders_passed_to_fit_as_lightning_combines_them():
+    # A dict (or list) of train dataloaders: the planner looked for one DataLoader only, found none and planned
+    # its default token ids through forward instead of the user's training_step on the user's shapes.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    from strategies.auto import first_train_batch, planner_step
+
+    text, code = torch.randint(0, 101, (6, 10)), torch.randint(0, 101, (4, 10))
+    loaders = {
+        "text": torch.utils.data.DataLoader(torch.utils.data.TensorDataset(text, text), batch_size=2, shuffle=True),
+        "code": torch.utils.data.DataLoader(torch.utils.data.TensorDataset(code, code), batch_size=2),
+    }
+    module = _TwoSources.__new__(_TwoSources)
+    nn.Module.__init__(module)
+    module.net = _meta(Llama)
+    for given in (loaders, CombinedLoader(loaders, "max_size")):
+        module._trainer = SimpleNamespace(fit_loop=SimpleNamespace(_data_source=SimpleNamespace(instance=given)))
+        batch = first_train_batch(module)
+        assert set(batch) == {"text", "code"}
+        assert torch.equal(batch["text"][0], text[:2]) and torch.equal(batch["code"][1], code[:2])
+    example_input, step, b, t = planner_step(module, 1, 2048)
+    assert (b, t) == (2, 10) and step is not None
+    est = estimate(module, (1, 1), batch=b, seq_len=t, example_input=example_input, step=step)
+    assert est.activations == 2 * estimate(_meta(Llama), (1, 1), batch=2, seq_len=10).activations
+    module._trainer.fit_loop._data_source.instance = [loaders["text"], loaders["code"]]
+    pair = first_train_batch(module)
+    assert isinstance(pair, list) and torch.equal(pair[1][0], code[:2])
 
 
 class _TwoInputs(nn.Module):

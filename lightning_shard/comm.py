@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -312,9 +314,15 @@ class PairwiseWork:
         self.works = works
         self.finish = finish
 
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for every send and receive, within ``timeout`` in all when given (else the group's own), as
+        ``Work.wait(timeout)`` does; then the local reduction."""
+        deadline = time.monotonic() + timeout.total_seconds() if timeout else None
         while self.works:  # one at a time: after a failed wait (a peer gone) a second wait raises again
-            self.works[0].wait()
+            if deadline is None:
+                self.works[0].wait()
+            else:  # what is left of the whole wait's time (gloo raises on a timeout it is given)
+                self.works[0].wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             self.works.pop(0)
         finish, self.finish = self.finish, None
         if finish is not None:

@@ -1,5 +1,8 @@
 """lightning_shard.comm: the collective wrappers' own choices, checked against torch.distributed on gloo ranks."""
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -113,3 +116,21 @@ def test_a_pairwise_wait_that_failed_fails_again_and_never_reduces():
         with pytest.raises(RuntimeError, match="peer gone"):
             work.wait()
     assert not reduced and not work.is_completed()
+
+
+def test_a_pairwise_wait_gives_its_timeout_to_the_sends_and_receives():
+    # Work.wait(timeout) bounds the whole wait; the pairwise handle dropped the timeout, so a caller's bound on a
+    # collective whose peer never arrives became the group's (30 minutes by default).
+    given = []
+
+    class Recorded:
+        def wait(self, *timeout):
+            given.append(timeout)
+            time.sleep(0.05)
+
+    assert comm.PairwiseWork([Recorded(), Recorded()]).wait(timedelta(seconds=5))
+    first, second = (t[0] for t in given)
+    assert timedelta(seconds=4.9) < first <= timedelta(seconds=5) and second < first - timedelta(seconds=0.04)
+    given.clear()
+    comm.PairwiseWork([Recorded()]).wait()
+    assert given == [()]  # no timeout asked: the group's own

@@ -41,3 +41,26 @@ def test_unreached_everywhere_is_none_reached_somewhere_is_averaged():
                 assert p.grad is None, name  # was a zero gradient: weight decay and momentum moved it
             else:
                 torch.testing.assert_close(p.grad.full_tensor(), (step + 1) * expected, msg=name)
+
+
+
+
+@distributed(world_size=2)
+def test_the_flags_are_read_only_by_a_group_this_rank_left_without_a_gradient(monkeypatch):
+    # Reading the all-reduced flags waits for the device on an accelerator; every group read them at every end of
+    # backward, though a rank that computed every gradient of a group itself knows the maximum already.
+    from lightning_shard.fsdp import param_group
+
+    reads = []
+    read = param_group.GradientPresence._read
+    monkeypatch.setattr(param_group.GradientPresence, "_read", staticmethod(lambda a: reads.append(1) or read(a)))
+    torch.manual_seed(0)
+    model = _Branches()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    fully_shard(model.b, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root's group: a, and unused, which no rank reaches
+    x = torch.randn(1, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for step in range(2):
+        model(x, use_b=True).backward()
+        assert len(reads) == step + 1  # the root's group only: b got every gradient here
+        assert model.unused.weight.grad is None and model.b.weight.grad is not None

@@ -135,9 +135,11 @@ class GradientPresence:
     zero gradient and skip one without. The decision must be the same on every rank (their optimizers update
     shards of the same parameters), and a parameter used on some ranks only has a gradient: so one small
     all-reduce (max) of one flag per parameter, issued with the reduce-scatter (asynchronous) and read at the
-    end of backward (``FSDPParamGroup.wait_for_gradients``; on an accelerator, one read of a few bytes), as
-    DDP all-reduces its "locally used" map with ``find_unused_parameters=True``. A parameter that already had
-    a ``.grad`` before this backward (gradient accumulation) keeps it.
+    end of backward (``FSDPParamGroup.wait_for_gradients``), as DDP all-reduces its "locally used" map with
+    ``find_unused_parameters=True``. The read is skipped when this rank computed every parameter's gradient
+    itself (the maximum is then known): on an accelerator a read waits for the device, and in the common case,
+    every parameter used everywhere, no group waits. A parameter that already had a ``.grad`` before this
+    backward (gradient accumulation) keeps it.
 
     Example: ``presence.start([True, False], mesh_info, device)``, then after the reduction
     ``presence.note_fresh([True, True])``; ``presence.finish(presence.used())`` -> ``[1]`` when no rank had the
@@ -149,8 +151,10 @@ class GradientPresence:
         self.pending: list[tuple[object, torch.Tensor, MeshInfo]] = []
         self.fresh: list[bool] | None = None  # per parameter: no ``.grad`` before this backward's reductions
         self.anywhere: torch.Tensor | None = None  # the flags waited for so far in this backward
+        self.here: list[bool] | None = None  # per parameter: a gradient on this rank in this backward
 
     def start(self, local: list[bool], mesh_info: MeshInfo, device: torch.device) -> None:
+        self.here = local if self.here is None else [a or b for a, b in zip(self.here, local)]
         flags = torch.tensor(local, dtype=torch.int32).to(device, non_blocking=True)
         work = comm.all_reduce_flags(flags, mesh_info.shard_group, async_op=True)
         self.pending.append((work, flags, mesh_info))
@@ -174,14 +178,21 @@ class GradientPresence:
         """Per parameter, whether any rank computed a gradient in the reductions of this backward so far; None
         before any reduction, or with the simulator's fake tensors (no values)."""
         anywhere = self._resolve()
-        if anywhere is None or not has_data(anywhere):
+        if anywhere is None:
             return None
-        return [bool(v) for v in anywhere.tolist()]
+        if all(self.here):  # the maximum over ranks of all-true flags: no read
+            return [True] * self.n
+        return self._read(anywhere)
+
+    @staticmethod
+    def _read(anywhere: torch.Tensor) -> list[bool] | None:
+        """The flags on the host (on an accelerator this waits for the device); None for fake tensors."""
+        return [bool(v) for v in anywhere.tolist()] if has_data(anywhere) else None
 
     def finish(self, used: list[bool] | None) -> list[int]:
         """The indices of the parameters whose ``.grad`` must go back to None (no rank had a gradient), from
         ``used()`` read at the end of this backward."""
-        fresh, self.fresh, self.anywhere = self.fresh, None, None
+        fresh, self.fresh, self.anywhere, self.here = self.fresh, None, None, None
         if fresh is None or used is None:
             return []  # no reduction finished (nothing assigned), or the simulator's fake tensors: no values
         return [i for i in range(self.n) if fresh[i] and not used[i]]

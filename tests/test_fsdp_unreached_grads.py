@@ -43,8 +43,6 @@ def test_unreached_everywhere_is_none_reached_somewhere_is_averaged():
                 torch.testing.assert_close(p.grad.full_tensor(), (step + 1) * expected, msg=name)
 
 
-
-
 @distributed(world_size=2)
 def test_the_flags_are_read_only_by_a_group_this_rank_left_without_a_gradient(monkeypatch):
     # Reading the all-reduced flags waits for the device on an accelerator; every group read them at every end of

@@ -533,10 +533,6 @@ def test_bad_input_errors_and_model_stays_usable():
     fully_shard(top, mesh=mesh)
     with pytest.raises(ValueError, match="apply fully_shard bottom-up"):
         fully_shard(top.blocks[0], mesh=mesh)
-    odd = nn.Linear(2, 2)
-    odd.register_parameter("step", nn.Parameter(torch.tensor(1.0)))
-    with pytest.raises(ValueError, match="'step' is 0-dim"):
-        fully_shard(odd, mesh=mesh)
     ints = nn.Module()
     ints.register_parameter("ids", nn.Parameter(torch.arange(4), requires_grad=False))
     with pytest.raises(ValueError, match="'ids' has dtype torch.int64"):
@@ -551,6 +547,59 @@ def test_bad_input_errors_and_model_stays_usable():
 
 
 # ---------------------------------------------------------------------------------------------- 4 ranks
+class _Gained(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.gain = nn.Parameter(torch.tensor(-0.3))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+class _Scaled(nn.Module):
+    """A learnable 0-dim temperature in the root and in a unit (as CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Gained()
+        self.out = nn.Linear(4, 4)
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return (self.out(self.inner(x)) * self.temperature.exp()).square().mean()
+
+
+@distributed(world_size=2)
+def test_scalar_parameters_stay_whole_on_every_rank_and_train_as_one_process():
+    # fully_shard refused 0-dim parameters (as torch's does), so CLIP-style temperatures could not be trained.
+    from lightning_shard.checkpoint import get_model_state_dict
+
+    torch.manual_seed(0)
+    model, rank = _Scaled(), dist.get_rank()
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    fully_shard(model.inner, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert model.temperature.shape == () and model.temperature.placements == (Replicate(),)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    x = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(1))
+    for batch in x:
+        model(batch[2 * rank : 2 * rank + 2]).backward()
+        ((ref(batch[:2]) + ref(batch[2:])) / 2).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref.get_parameter(name).grad, msg=name)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), ref.get_parameter(name), msg=name)
+    with summon_full_params(model, writeback=True):
+        assert model.inner.gain.shape == ()
+        model.inner.gain.add_(1.0)
+    assert torch.allclose(model.inner.gain.full_tensor(), ref.inner.gain + 1.0)
+    full = get_model_state_dict(model, full_state_dict=True)
+    assert full["temperature"].shape == () and torch.allclose(full["temperature"], ref.temperature)
+
+
 @distributed(world_size=4)
 def test_four_ranks_uneven_parity():
     data = batches(3, 8)

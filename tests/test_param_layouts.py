@@ -10,7 +10,7 @@ steps, optimizer state, full and sharded checkpoints):
   float64, where ``fully_shard`` raised an error naming no parameter), bf16 parameters, ``model.double()`` /
   ``.half()`` called after sharding;
 * through the Trainer: ``precision="64-true"`` (refused before) on a ``channels_last`` ConvNet, resuming that
-  ConvNet from sharded and full checkpoints, and the setup errors for a 0-dim, an integer and a complex
+  ConvNet from sharded and full checkpoints, and the setup errors for an integer and a complex
   parameter.
 """
 
@@ -291,7 +291,6 @@ class LitConv(L.LightningModule):
 
 
 _EXTRAS = {
-    "scalar": lambda: torch.tensor(1.5),  # a learnable temperature
     "int": lambda: torch.zeros(4, dtype=torch.int64),
     "complex": lambda: torch.randn(4, dtype=torch.complex64),  # a learnable FFT filter
 }
@@ -328,7 +327,6 @@ def test_channels_last_resumes_like_one_process(state_dict_type, tmp_path):
 @distributed(world_size=2)
 def test_parameters_fully_shard_refuses_raise_at_setup():
     for extra, match in [
-        ("scalar", "parameter 'extra' is 0-dim"),
         ("int", "parameter 'extra' has dtype torch.int64"),
         ("complex", r"parameter 'extra' has dtype torch.complex64.*view_as_real"),
     ]:

@@ -566,7 +566,7 @@ def summon_full_params(module: nn.Module, writeback: bool = True, rank0_only: bo
                     for i, (fp, t) in enumerate(zip(group.params, tensors)):
                         local = fp.sharded._local_tensor
                         start = group.mesh_info.shard_rank * group.layout.rows_per_shard[i]
-                        local.copy_(t.narrow(0, start, local.shape[0]))
+                        local.copy_(t if fp.replicated else t.narrow(0, start, local.shape[0]))
             for fp in group.params:
                 fp.set_on_modules(fp.sharded)
 
@@ -578,6 +578,6 @@ def _gather_full(group: FSDPParamGroup) -> list[torch.Tensor]:
     shard = group.shard_flat.to(group.device)
     out = torch.empty((group.layout.world_size, group.layout.shard_numel), dtype=shard.dtype, device=group.device)
     comm.all_gather_into(out.view(-1), shard, group.mesh_info.shard_group)
-    full = [torch.empty(fp.shape, dtype=shard.dtype, device=group.device) for fp in group.params]
+    full = [torch.empty(shape, dtype=shard.dtype, device=group.device) for shape in group.layout.shapes]
     all_gather_copy_out(group.layout, out, full, impl="auto" if has_data(out) else "reference")
-    return full
+    return [t[0] if fp.replicated else t for fp, t in zip(group.params, full)]  # replicated: every row the same

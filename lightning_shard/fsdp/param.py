@@ -48,11 +48,6 @@ class FSDPParam:
                 "sharded. Register it as a buffer, or pass it in ignored_params to keep it replicated."
                 + (_COMPLEX_HINT if param.is_complex() else "")
             )
-        if param.ndim == 0:
-            raise ValueError(
-                f"fully_shard: parameter {fqn!r} is 0-dim (a scalar); it cannot be sharded on dim 0. Give it shape "
-                "(1,), or pass it in ignored_params to keep it replicated (you then keep it in sync)."
-            )
         self.fqn = fqn
         self.refs = refs
         # FSDP over TP: the parameter is already our DTensor on a tensor-parallel mesh. FSDP then shards its
@@ -64,6 +59,32 @@ class FSDPParam:
         self._agreed_requires_grad = param.requires_grad
         self.sharded: nn.Parameter | None = None  # our DTensor, Shard(0) on the data-parallel mesh
         self.unsharded: nn.Parameter | None = None  # plain view into the unsharded flat buffer
+
+    @property
+    def replicated(self) -> bool:
+        """A 0-dim (scalar) parameter, e.g. CLIP's ``logit_scale``: no dim 0 to shard, so every rank keeps the
+        whole value (its DTensor is ``Replicate``, as torch's DDP keeps every parameter).
+
+        In the group's flat buffers it is laid out as one row per rank (``layout_shape``): each rank's shard holds
+        its copy, the all-gather brings them all and the unsharded parameter is the first, and its gradient is
+        staged into every row, so the reduce-scatter hands every rank the whole reduced gradient. No other
+        collective, and the ranks' copies stay equal as their optimizers apply equal gradients.
+        """
+        return len(self.shape) == 0
+
+    def layout_shape(self, shard_size: int) -> torch.Size:
+        """The shape this parameter has in the group's flat buffers: its own, or one row per rank if
+        ``replicated``.
+
+        Example: ``FSDPParam("scale", nn.Parameter(torch.tensor(2.0)), refs).layout_shape(4)`` -> ``(4,)``.
+        """
+        return torch.Size([shard_size]) if self.replicated else self.shape
+
+    def staged_grad(self, grad: torch.Tensor | None, shard_size: int) -> torch.Tensor | None:
+        """``grad`` as the reduce-scatter stages it (``layout_shape``): a replicated parameter's in every row."""
+        if grad is None or not self.replicated:
+            return grad
+        return grad.reshape(1).expand(shard_size).contiguous()
 
     @property
     def requires_grad(self) -> bool:

@@ -78,11 +78,14 @@ class MeshInfo:
         On (dp, tp) the data-parallel shard splits the TP-local tensor on dim 0: a plain ``Shard(0)`` when TP
         does not shard dim 0, else a ``StridedShard(0)`` (applied after TP's split).
         """
+        dp_placements = (Replicate(),) * self.mesh.ndim if fp.replicated else self.placements
         if fp.tp_spec is None:
-            return self.mesh, self.placements
+            return self.mesh, dp_placements
         tp_mesh, tp_placements = fp.tp_spec.mesh, fp.tp_spec.placements
         dp_name, tp_name = self.mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]
         mesh = self.mesh.root_mesh[dp_name, tp_name]
+        if fp.replicated:
+            return mesh, (Replicate(), *tp_placements)
         tp_shards_dim0 = any(p.is_shard(0) for p in tp_placements)
         dp = StridedShard(0, split_factor=tp_mesh.size()) if tp_shards_dim0 else Shard(0)
         return mesh, (dp, *tp_placements)
@@ -229,7 +232,7 @@ class FSDPParamGroup:
         self.orig_dtype = params[0].dtype
         self.compute_dtype = mp_policy.compute_dtype(self.orig_dtype)
         self.reduce_dtype = mp_policy.gradient_dtype(self.orig_dtype)
-        self.layout = GroupLayout([p.shape for p in params], mesh_info.shard_size)
+        self.layout = GroupLayout([p.layout_shape(mesh_info.shard_size) for p in params], mesh_info.shard_size)
         self.shard_flat = self._shard_originals(originals)
         # Drop the unsharded originals (copies moved to the device for sharding) before anything else is
         # allocated, so setup holds at most one unsharded group at a time.
@@ -283,7 +286,9 @@ class FSDPParamGroup:
             local = self._local_view(flat, i)
             source = orig._local_tensor if isinstance(orig, DTensor) else orig
             unset = device.type != "meta" and source.is_meta
-            if device.type != "meta" and not unset and local.numel() > 0:  # trailing ranks may hold no rows at all
+            if device.type != "meta" and not unset and fp.replicated:
+                local.copy_(source.detach())
+            elif device.type != "meta" and not unset and local.numel() > 0:  # trailing ranks may hold no rows at all
                 start = rank * self.layout.rows_per_shard[i]
                 local.copy_(source.detach().narrow(0, start, local.shape[0]))
             mesh, placements = self.mesh_info.param_mesh_and_placements(fp)
@@ -296,11 +301,16 @@ class FSDPParamGroup:
         return flat
 
     def _local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        rows = self.layout.local_rows(i, self.mesh_info.shard_rank)
-        shape = self.layout.shapes[i]
-        inner = self.layout.inner_numels[i]
+        """Parameter ``i``'s part of a flat shard-sized buffer (shard, gradient), as its DTensor's local tensor."""
         offset = int(self.layout.shard_offsets[i])
-        return flat[offset : offset + rows * inner].view(rows, *shape[1:])
+        shape = self._local_shape(i)
+        return flat[offset : offset + shape.numel()].view(shape)
+
+    def _local_shape(self, i: int) -> torch.Size:
+        """The local shape of parameter ``i``'s sharded DTensor: its rows, or a replicated parameter's own ``()``."""
+        if self.params[i].replicated:
+            return self.params[i].shape
+        return self.layout.local_shape(i, self.mesh_info.shard_rank)
 
     def rebuild_after_apply(self) -> None:
         """Re-adopt parameters after ``module._apply`` (``to_empty``, ``.to(device)``, dtype casts).
@@ -361,7 +371,7 @@ class FSDPParamGroup:
             return
         info = self.mesh_info
         group = info.mesh.split_group(info.shard_dim, size)
-        shapes = [fp.shape for fp in self.params]
+        shapes = list(self.layout.shapes)
         self.post_forward = PostForwardShard(
             shapes, size, group, info.shard_rank % size, self.compute_dtype, self.unsharded_flat.device
         )
@@ -413,7 +423,7 @@ class FSDPParamGroup:
             if fp.unsharded is None:
                 offset = int(self.layout.unsharded_offsets[i])
                 with torch.inference_mode(False):
-                    data = self.unsharded_flat[offset : offset + self.layout.numels[i]].view(fp.shape)
+                    data = self.unsharded_flat[offset : offset + fp.shape.numel()].view(fp.shape)  # replicated: row 0
                     fp.unsharded = nn.Parameter(fp.wrap_unsharded(data), requires_grad=fp.requires_grad)
                 mark_unsharded(fp.unsharded, fp.fqn)  # an optimizer holding it is refused (optimizer_guard)
             fp.sync_requires_grad()
@@ -538,7 +548,7 @@ class FSDPParamGroup:
         predivide, _ = self._divide_factors()
         self.pending_reduce = collectives.start_reduce_scatter(
             self.layout,
-            grads,
+            [fp.staged_grad(g, self.layout.world_size) for fp, g in zip(self.params, grads)],
             self.mesh_info.shard_group,
             self.reduce_dtype,
             self.device,
@@ -711,11 +721,7 @@ class FSDPParamGroup:
         checked without making the view."""
         local = grad._local_tensor
         offset = flat.storage_offset() + int(self.layout.shard_offsets[i])
-        return (
-            same_storage(local, flat)
-            and local.storage_offset() == offset
-            and local.shape == self.layout.local_shape(i, self.mesh_info.shard_rank)
-        )
+        return same_storage(local, flat) and local.storage_offset() == offset and local.shape == self._local_shape(i)
 
 
 # Groups an optimizer step reshards first (below): those holding their unsharded parameters for a recorded graph,

@@ -352,7 +352,8 @@ def estimate(
     blocks = find_blocks(model)
     groups = _groups(model, blocks)
     layouts = [
-        GroupLayout([s if len(s) else torch.Size([1]) for s in (local.get(id(p), p.shape) for p in g)], shard)
+        # a 0-dim parameter: one copy per rank, as FSDPParam.layout_shape lays it out
+        GroupLayout([s if len(s) else torch.Size([shard]) for s in (local.get(id(p), p.shape) for p in g)], shard)
         if g
         else None
         for g in groups

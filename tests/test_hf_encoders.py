@@ -286,10 +286,14 @@ def test_tp_with_dropout_warns_and_is_exact_in_eval_mode():
 
 
 @distributed(world_size=2)
-def test_clip_with_its_scalar_parameter_trains_as_one_process_under_fsdp_and_tp():
+def test_clip_with_its_scalar_parameter_trains_as_one_process_under_fsdp():
     # CLIP's logit_scale is 0-dim: fully_shard refused it (as torch's does), so CLIP could not train through the
     # strategy. It is kept whole on every rank now (Replicate), its gradient reduced with its group's.
     _fit_and_compare("clip")
+
+
+@distributed(world_size=2)
+def test_clip_with_its_scalar_parameter_trains_as_one_process_under_tp():
     worst = _tp_check("clip")
     assert worst < 1e-5, worst
 

@@ -62,3 +62,7 @@ def test_the_flags_are_read_only_by_a_group_this_rank_left_without_a_gradient(mo
         model(x, use_b=True).backward()
         assert len(reads) == step + 1  # the root's group only: b got every gradient here
         assert model.unused.weight.grad is None and model.b.weight.grad is not None
+    model.b.bias.requires_grad_(False)  # frozen (fine-tuning): no rank computes its gradient, so b still knows
+    model.zero_grad(set_to_none=True)
+    model(x, use_b=True).backward()
+    assert len(reads) == 3 and model.b.bias.grad is None and model.b.weight.grad is not None

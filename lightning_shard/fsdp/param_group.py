@@ -139,12 +139,12 @@ class GradientPresence:
     shards of the same parameters), and a parameter used on some ranks only has a gradient: so one small
     all-reduce (max) of one flag per parameter, issued with the reduce-scatter (asynchronous) and read at the
     end of backward (``FSDPParamGroup.wait_for_gradients``), as DDP all-reduces its "locally used" map with
-    ``find_unused_parameters=True``. The read is skipped when this rank computed every parameter's gradient
-    itself (the maximum is then known): on an accelerator a read waits for the device, and in the common case,
-    every parameter used everywhere, no group waits. A parameter that already had a ``.grad`` before this
-    backward (gradient accumulation) keeps it.
+    ``find_unused_parameters=True``. The read is skipped when this rank computed the gradient of every
+    parameter that trains (the maximum is then known; a frozen one has a gradient on no rank): on an
+    accelerator a read waits for the device, and in the common case no group waits. A parameter that already
+    had a ``.grad`` before this backward (gradient accumulation) keeps it.
 
-    Example: ``presence.start([True, False], mesh_info, device)``, then after the reduction
+    Example: ``presence.start([True, False], [True, True], mesh_info, device)``, then after the reduction
     ``presence.note_fresh([True, True])``; ``presence.finish(presence.used())`` -> ``[1]`` when no rank had the
     second one.
     """
@@ -155,9 +155,12 @@ class GradientPresence:
         self.fresh: list[bool] | None = None  # per parameter: no ``.grad`` before this backward's reductions
         self.anywhere: torch.Tensor | None = None  # the flags waited for so far in this backward
         self.here: list[bool] | None = None  # per parameter: a gradient on this rank in this backward
+        self.trainable: list[bool] = [True] * n  # per parameter: requires_grad at the last reduction
 
-    def start(self, local: list[bool], mesh_info: MeshInfo, device: torch.device) -> None:
+    def start(self, local: list[bool], trainable: list[bool], mesh_info: MeshInfo, device: torch.device) -> None:
+        """Issue the all-reduce of this reduction's flags (``local``: a gradient on this rank)."""
         self.here = local if self.here is None else [a or b for a, b in zip(self.here, local)]
+        self.trainable = trainable
         flags = torch.tensor(local, dtype=torch.int32).to(device, non_blocking=True)
         work = comm.all_reduce_flags(flags, mesh_info.shard_group, async_op=True)
         self.pending.append((work, flags, mesh_info))
@@ -183,8 +186,8 @@ class GradientPresence:
         anywhere = self._resolve()
         if anywhere is None:
             return None
-        if all(self.here):  # the maximum over ranks of all-true flags: no read
-            return [True] * self.n
+        if all(h or not t for h, t in zip(self.here, self.trainable)):  # the maximum is this rank's flags: no read
+            return list(self.here)
         return self._read(anywhere)
 
     @staticmethod
@@ -544,7 +547,9 @@ class FSDPParamGroup:
             self.accumulated_grads = grads
             return
         self.finish_reduce()  # at most one reduce-scatter in flight per group
-        self.presence.start([g is not None for g in grads], self.mesh_info, self.device)
+        self.presence.start(
+            [g is not None for g in grads], [fp.requires_grad for fp in self.params], self.mesh_info, self.device
+        )
         predivide, _ = self._divide_factors()
         self.pending_reduce = collectives.start_reduce_scatter(
             self.layout,

@@ -298,6 +298,56 @@ def test_clip_with_its_scalar_parameter_trains_as_one_process_under_tp():
     assert worst < 1e-5, worst
 
 
+def _contrastive(family: str):
+    """A tiny random-init contrastive model with a 0-dim ``logit_scale`` (besides CLIP), and a batch for it."""
+    import transformers as T
+
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    text = dict(layers, vocab_size=99, max_position_embeddings=16)
+    if family == "groupvit":
+        vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, depths=[2, 2],
+                      num_group_tokens=[4, 0], num_output_groups=[4, 4], image_size=32, patch_size=8)  # fmt: skip
+        config = T.GroupViTConfig(text_config=text, vision_config=vision, projection_dim=16,
+                                  projection_intermediate_dim=32)  # fmt: skip
+    else:
+        config_class = {"owlvit": T.OwlViTConfig, "blip": T.BlipConfig}[family]
+        config = config_class(
+            text_config=text, vision_config=dict(layers, image_size=32, patch_size=8), projection_dim=16
+        )
+    model_class = {"owlvit": T.OwlViTModel, "groupvit": T.GroupViTModel, "blip": T.BlipModel}[family]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "input_ids": torch.randint(3, 99, (4, 8), generator=g),
+        "pixel_values": torch.randn(4, 3, 32, 32, generator=g),
+    }
+    return model_class(config), dict(batch, return_loss=True)
+
+
+@pytest.mark.slow
+@distributed(world_size=2)
+def test_contrastive_models_with_a_scalar_parameter_reduce_as_one_process():
+    # OWL-ViT, GroupViT and BLIP hold a 0-dim logit_scale as CLIP does. Eval mode: GroupViT's training-mode
+    # Gumbel sampling draws per rank. One backward of each rank's half against one process's mean of the halves.
+    rank = dist.get_rank()
+    for family in ("owlvit", "groupvit", "blip"):
+        model, batch = _contrastive(family)
+        model.eval()
+        ref = copy.deepcopy(model)
+        halves = [M.select(batch, slice(2 * r, 2 * r + 2)) for r in range(2)]
+        (sum(ref(**half).loss for half in halves) / 2).backward()
+        _parallelize(model, 2, 1)
+        assert model.logit_scale.shape == () and model.logit_scale.placements[0].is_replicate()
+        model(**halves[rank]).loss.backward()
+        for name, p in model.named_parameters():
+            expected = ref.get_parameter(name).grad
+            if expected is None:  # not reached (a pooler the loss does not use): None here too
+                assert p.grad is None, (family, name)
+                continue
+            scale = max(expected.abs().max().item(), 1.0)  # BLIP's tiny random model has gradients of 1e7
+            assert (_full(p.grad) - expected).abs().max().item() < 1e-5 * scale, (family, name)
+
+
 if __name__ == "__main__":
     # The measurements in docs/huggingface.md:
     #   torchrun --nproc_per_node 2 -m tests.test_hf_encoders

@@ -13,16 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from benchmarks.fsdp_vs_torch import _free_port  # noqa: E402
 
 VARIANTS = ("eager", "compile_model", "compile_units")
 
@@ -89,12 +93,6 @@ def _worker(rank: int, world: int, port: int, variant: str, args, out: str) -> N
         with open(out, "w") as f:
             json.dump({"first_step_s": times[0], "step_s": statistics.median(times[1:]), "loss": loss.item()}, f)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

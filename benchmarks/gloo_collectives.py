@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lightning_shard
+from benchmarks.fsdp_vs_torch import _free_port  # noqa: E402
 
 KINDS = (
     "gloo_reduce_scatter_ms",
@@ -85,12 +85,6 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
             rows.append(row)
     Path(f"{out_path}.{rank}").write_text(json.dumps(rows))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -183,11 +183,12 @@ def fully_shard(
     between the two calls' modules), raises: two groups would untie it. Put the modules in one list, or pass
     the parameter in ``ignored_params`` of the inner calls so that the enclosing call manages it.
     ``mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); default: all ranks.
-    Parameters become our DTensors ``Shard(0)`` (``(Replicate(), Shard(0))`` on a 2-D mesh); buffers stay
-    plain and replicated. ``reshard_after_forward`` frees unsharded parameters after forward (True) or keeps
-    them until after backward (False); an int ``k`` keeps a ``k``-way shard after forward, so the backward
-    all-gather runs over ``k`` neighbouring ranks only (e.g. one node's GPUs; see ``post_forward.py``);
-    ``k`` must divide the shard-group size (1 = False, the group size = True).
+    Parameters become our DTensors ``Shard(0)`` (``(Replicate(), Shard(0))`` on a 2-D mesh), a 0-dim one
+    ``Replicate()`` (kept whole on every rank, ``FSDPParam.replicated``); buffers stay plain and replicated.
+    ``reshard_after_forward`` frees unsharded parameters after forward (True) or keeps them until after
+    backward (False); an int ``k`` keeps a ``k``-way shard after forward, so the backward all-gather runs over
+    ``k`` neighbouring ranks only (e.g. one node's GPUs; see ``post_forward.py``); ``k`` must divide the
+    shard-group size (1 = False, the group size = True).
 
     Example::
 

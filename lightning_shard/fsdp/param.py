@@ -57,7 +57,7 @@ class FSDPParam:
         self.global_shape = param.shape
         self.dtype = param.dtype
         self._agreed_requires_grad = param.requires_grad
-        self.sharded: nn.Parameter | None = None  # our DTensor, Shard(0) on the data-parallel mesh
+        self.sharded: nn.Parameter | None = None  # our DTensor, Shard(0) on the data-parallel mesh (or replicated)
         self.unsharded: nn.Parameter | None = None  # plain view into the unsharded flat buffer
 
     @property

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from lightning_shard import comm, init_device_mesh
 from lightning_shard.fsdp import fully_shard
 from lightning_shard.simulate import MemoryTracker, simulated_world
+from lightning_shard.tensor import Replicate
 from tests.fsdp_models import VOCAB, make_model
 
 
@@ -180,3 +181,32 @@ def test_a_device_error_in_the_first_forward_keeps_its_type():
     request = SimulationRequest(devices=2, seq_len=4, checkpoint=False, precision="32-true")
     with pytest.raises(comm.DeviceDisciplineError, match="comm.all_reduce at .*test_simulate.py"):
         simulate_training(_HostCollectiveInForward, request)
+
+
+class _ScaledLinear(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale.exp()
+
+
+def test_a_scalar_parameter_steps_on_the_simulated_accelerator():
+    # A 0-dim parameter (CLIP's logit_scale) is kept whole on every rank: its copy into the shard, the gradient
+    # staged into every row and the optimizer step run on the device, with no host tensor on an accelerator group.
+    from lightning_shard.utils import clip_grad_norm_
+
+    with simulated_world(8, rank=5) as world:
+        mesh = init_device_mesh(world.device_type, (8,), mesh_dim_names=("data_parallel",))
+        model = _ScaledLinear()
+        fully_shard(model, mesh=mesh)
+        model.to(world.device)
+        opt = torch.optim.AdamW(model.parameters())
+        with comm.count_collectives() as counts:
+            model(torch.ones(2, 4, device=world.device)).sum().backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        assert counts.calls["reduce_scatter"] == 1 and "all_reduce" not in counts.calls  # no extra collective
+        assert model.scale.placements == (Replicate(),) and model.scale.grad.shape == ()
+        assert model.scale.grad.device.type == world.device_type

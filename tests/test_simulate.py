@@ -210,3 +210,14 @@ def test_a_scalar_parameter_steps_on_the_simulated_accelerator():
         assert counts.calls["reduce_scatter"] == 1 and "all_reduce" not in counts.calls  # no extra collective
         assert model.scale.placements == (Replicate(),) and model.scale.grad.shape == ()
         assert model.scale.grad.device.type == world.device_type
+
+
+def test_a_factory_that_converts_its_model_to_its_own_dtype_simulates():
+    # `model.float()` on a float32 model (what many model builders end with) is a no-op conversion; under the
+    # simulation's fake mode torch's _apply swaps fake parameters, which their weak references refused: the
+    # factory failed with "Couldn't swap Embedding.weight". The factory now builds real meta tensors, as on a GPU.
+    from lightning_shard.simulate.run import SimulationRequest, simulate_training
+
+    request = SimulationRequest(devices=2, seq_len=4, checkpoint=False, precision="32-true")
+    report = simulate_training(lambda: make_model().float(), request)
+    assert report["collectives_per_step"]["reduce_scatter"] > 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_shard import comm
 from lightning_shard.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -146,7 +147,10 @@ def simulate_training(
         mem = world.memory
         mesh, fsdp_mesh = engine.meshes(world.device_type, request)
         try:
-            with torch.device("meta"):
+            # Real meta tensors, as on a GPU: under the fake mode a no-op conversion in the factory (``.float()``
+            # on a float32 model) made torch's ``_apply`` swap a fake parameter (it always swaps those), which the
+            # weak references held to it refused ("Couldn't swap Embedding.weight").
+            with unset_fake_temporarily(), torch.device("meta"):
                 model = factory()
         except Exception as e:
             raise ValueError(f"simulate: the model factory {factory!r} failed: {e!r}") from e

@@ -534,7 +534,8 @@ class FSDPParamGroup:
         the step's code runs). On one device it would have had none; reduced, it was added to the ``.grad`` the
         parameter kept from an earlier backward (gradient accumulation), silently.
         """
-        grads = [fp.unsharded_grad() if fp.requires_grad else None for fp in self.params]
+        trainable = [fp.requires_grad for fp in self.params]
+        grads = [fp.unsharded_grad() if t else None for fp, t in zip(self.params, trainable)]
         for fp in self.params:
             if fp.unsharded is not None:
                 fp.unsharded.grad = None
@@ -547,9 +548,7 @@ class FSDPParamGroup:
             self.accumulated_grads = grads
             return
         self.finish_reduce()  # at most one reduce-scatter in flight per group
-        self.presence.start(
-            [g is not None for g in grads], [fp.requires_grad for fp in self.params], self.mesh_info, self.device
-        )
+        self.presence.start([g is not None for g in grads], trainable, self.mesh_info, self.device)
         predivide, _ = self._divide_factors()
         self.pending_reduce = collectives.start_reduce_scatter(
             self.layout,
